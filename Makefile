@@ -1,0 +1,35 @@
+# Every set-up step lives here: CI runs `make test` on a clean clone.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# The folder `operator/` must never shadow the standard library module of that name.
+export PYTHONSAFEPATH := 1
+# Keep tests and benchmarks reproducible on the 2-core CI machine.
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test serve bench clean
+
+install: $(VENV)/.installed
+
+# torch first and pinned: the CPU wheel is served locally; any other spec pulls CUDA wheels.
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0 2>&1 | { grep -v 'is ignored' || true; }
+	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+	$(PIP) install -e '.[dev]' 2>&1 | { grep -v 'is ignored' || true; }
+	touch $@
+
+test: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/pdserve up --model demo
+
+bench: install
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info bench-results

@@ -1,0 +1,4 @@
+from pdserve.cli import main
+import sys
+
+sys.exit(main())
