@@ -29,7 +29,7 @@ serve: install
 	$(VENV)/bin/pdserve up --model demo
 
 bench: install
-	$(PY) -m benchmarks $(BENCH_ARGS)
+	env -u PYTHONSAFEPATH PDSERVE_BENCH_DIR=$(CURDIR)/bench-results $(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info bench-results
