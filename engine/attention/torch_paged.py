@@ -1,0 +1,132 @@
+"""Paged attention in plain torch: the reference, and the CPU path.
+
+Decodes (one query each) run as one batched SDPA call over their context gathered into a padded
+tensor; prefills run one SDPA call per request. Gather indices are planned once per step and
+shared by all layers, so each layer pays only the gather and the attention itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values ([tokens, kv_heads, head_dim]) at their cache slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def context_slots(block_table: np.ndarray, length: int, block_size: int) -> np.ndarray:
+    """Flat cache slots of positions 0..length-1 for one request."""
+    num_blocks = -(-length // block_size)
+    blocks = block_table[:num_blocks].astype(np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:length]
+
+
+@dataclass
+class PrefillPlan:
+    query_start: int
+    query_end: int
+    # None when the request has no earlier context: attend to this step's keys directly.
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = may attend
+
+
+@dataclass
+class TorchAttentionPlan:
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 (padding points at slot 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    prefills: list[PrefillPlan]
+
+
+def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
+    device = meta.slot_mapping.device
+    qsl, seq_lens, tables, bs = meta.query_start_loc_np, meta.seq_lens_np, meta.block_tables_np, meta.block_size
+    decode_slots = decode_mask = None
+    nd = meta.num_decodes
+    if nd:
+        lens = seq_lens[:nd].astype(np.int64)
+        max_len = int(lens.max())
+        num_blocks = -(-max_len // bs)
+        slots = (tables[:nd, :num_blocks].astype(np.int64)[:, :, None] * bs + np.arange(bs)).reshape(nd, -1)[:, :max_len]
+        valid = np.arange(max_len)[None, :] < lens[:, None]
+        decode_slots = torch.from_numpy(np.where(valid, slots, 0)).to(device)
+        decode_mask = torch.from_numpy(valid).to(device).view(nd, 1, 1, max_len)
+    prefills = []
+    for r in range(nd, meta.num_reqs):
+        start, end = int(qsl[r]), int(qsl[r + 1])
+        query_len, seq_len = end - start, int(seq_lens[r])
+        if seq_len == query_len:
+            prefills.append(PrefillPlan(start, end, None, None))
+            continue
+        slots = torch.from_numpy(context_slots(tables[r], seq_len, bs)).to(device)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+        prefills.append(PrefillPlan(start, end, slots, mask))
+    return TorchAttentionPlan(decode_slots, decode_mask, prefills)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of `query` [tokens, heads, head_dim] over the paged cache (already holding this
+    step's keys). `key`/`value`, when given, let prompts without earlier context skip the gather."""
+    p: TorchAttentionPlan = meta.backend_plan if isinstance(meta.backend_plan, TorchAttentionPlan) else plan(meta)
+    num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
+    k_flat = key_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = value_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(query) if out is None else out
+    gqa = query.shape[1] != num_kv_heads
+    nd = meta.num_decodes
+    if nd:
+        k = k_flat[p.decode_slots].transpose(1, 2)  # [nd, kv_heads, len, dim]
+        v = v_flat[p.decode_slots].transpose(1, 2)
+        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.decode_mask, scale=scale, enable_gqa=gqa)
+        out[:nd] = o.squeeze(2)
+    for pf in p.prefills:
+        q = query[pf.query_start:pf.query_end].transpose(0, 1)  # [heads, q_len, dim]
+        if pf.slots is None:
+            k_src = key[pf.query_start:pf.query_end] if key is not None else k_flat[_own_slots(meta, pf)]
+            v_src = value[pf.query_start:pf.query_end] if value is not None else v_flat[_own_slots(meta, pf)]
+            o = F.scaled_dot_product_attention(q, k_src.transpose(0, 1), v_src.transpose(0, 1), is_causal=True,
+                                               scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k_flat[pf.slots].transpose(0, 1), v_flat[pf.slots].transpose(0, 1),
+                                               attn_mask=pf.mask, scale=scale, enable_gqa=gqa)
+        out[pf.query_start:pf.query_end] = o.transpose(0, 1)
+    return out
+
+
+def _own_slots(meta: AttentionMetadata, pf: PrefillPlan) -> torch.Tensor:
+    return meta.slot_mapping[pf.query_start:pf.query_end]
+
+
+def naive_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Token-by-token definition of paged attention, in float32; for tests of faster paths."""
+    bs = key_cache.shape[1]
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for r in range(len(seq_lens)):
+        start, end, seq_len = query_start_loc[r], query_start_loc[r + 1], seq_lens[r]
+        positions = torch.arange(seq_len)
+        blocks = block_tables[r, positions // bs].long()
+        keys = key_cache[blocks, positions % bs].float()  # [seq_len, kv_heads, dim]
+        values = value_cache[blocks, positions % bs].float()
+        for i in range(end - start):
+            limit = seq_len - (end - start) + i + 1
+            for h in range(num_heads):
+                scores = (keys[:limit, h // group] @ query[start + i, h].float()) * scale
+                out[start + i, h] = torch.softmax(scores, dim=0) @ values[:limit, h // group]
+    return out

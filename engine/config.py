@@ -1,0 +1,242 @@
+"""Engine settings: `EngineArgs` as users pass them, `EngineConfig` once resolved against the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: the checkpoint's dtype (float16 becomes bfloat16 on CPU)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # override the measured block count
+    kv_cache_memory_bytes: int | None = None  # CPU: KV space; default min(4 GiB, 30% of RAM)
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default max(2048, max_num_seqs)
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap within a step
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+    tensor_parallel_size: int = 1
+    max_logprobs: int = 20
+    kv_transfer_config: dict[str, Any] | None = None
+
+    def create_engine_config(self) -> "EngineConfig":
+        from pdserve.engine.demo import resolve_model
+
+        model_path = resolve_model(self.model)
+        model_config = ModelConfig.from_pretrained(
+            model_path, dtype=self.dtype, device=resolve_device(self.device), max_model_len=self.max_model_len,
+            tokenizer=resolve_model(self.tokenizer) if self.tokenizer else model_path,
+            served_model_name=self.served_model_name or self.model, seed=self.seed, max_logprobs=self.max_logprobs,
+        )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        max_batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            max_batched = max(max_batched, model_config.max_model_len)
+        if max_batched < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_batched}")
+        tp = self.tensor_parallel_size
+        if tp < 1 or tp & (tp - 1):
+            raise ValueError(f"tensor_parallel_size must be a power of two, got {tp}")
+        if model_config.num_attention_heads % tp:
+            raise ValueError(f"{model_config.num_attention_heads} attention heads do not split over "
+                             f"tensor_parallel_size={tp}")
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(tensor_parallel_size=tp),
+            kv_transfer=self.kv_transfer_config,
+        )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    tokenizer: str
+    served_model_name: str
+    architecture: str
+    hf_config: dict[str, Any]
+    dtype: torch.dtype
+    device: str
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_parameters: dict[str, Any]
+    eos_token_ids: list[int]
+    seed: int = 0
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
+                        tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
+                        max_logprobs: int = 20) -> "ModelConfig":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"no config.json in model directory {path!r}")
+        cfg = json.loads(config_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        derived_len = cfg.get("max_position_embeddings", 2048)
+        if max_model_len is None:
+            max_model_len = derived_len
+        elif max_model_len > derived_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={derived_len}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        return cls(
+            path=str(path),
+            tokenizer=tokenizer or str(path),
+            served_model_name=served_model_name or str(path),
+            architecture=arch,
+            hf_config=cfg,
+            dtype=_resolve_dtype(dtype, cfg, device),
+            device=device,
+            max_model_len=max_model_len,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama and Mistral only when the config says so.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_parameters=_rope_parameters(cfg),
+            eos_token_ids=_eos_token_ids(Path(path), cfg),
+            seed=seed,
+            max_logprobs=max_logprobs,
+        )
+
+
+def _resolve_dtype(dtype: str, cfg: dict[str, Any], device: str) -> torch.dtype:
+    if dtype == "auto":
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        resolved = _DTYPES.get(name, torch.float32)
+        # CPUs have no fast float16 kernels; bfloat16 keeps the range and uses AMX/AVX512-BF16.
+        return torch.bfloat16 if (resolved == torch.float16 and device == "cpu") else resolved
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One shape for both config styles: transformers 5 `rope_parameters`, older `rope_scaling` + `rope_theta`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    gen_file = path / "generation_config.json"
+    for source in (cfg, json.loads(gen_file.read_text()) if gen_file.is_file() else {}):
+        value = source.get("eos_token_id")
+        for token in (value if isinstance(value, list) else [value]):
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: dict[str, Any] | None = None
+    # Filled in by the executor once the KV cache is sized.
+    num_kv_blocks: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")

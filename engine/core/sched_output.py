@@ -1,0 +1,54 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (sent whole again)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt plus any tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner should forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str]
+
+    @classmethod
+    def empty(cls, finished_req_ids: set[str] | None = None) -> "SchedulerOutput":
+        return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the requests that reached the end of their known tokens this step.
+
+    Requests in the middle of a chunked prefill are absent from `sampled_token_ids`.
+    """
+
+    sampled_token_ids: dict[str, list[int]]
+    # Per request: (token_ids rows, logprobs rows, ranks), one row per sampled token.
+    logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)

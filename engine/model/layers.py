@@ -1,0 +1,188 @@
+"""Tensor-parallel building blocks: each rank holds and loads only its slice of a weight.
+
+Weight loaders receive a safetensors slice (anything sliceable with a `get_shape()`), so a rank
+reads only its own rows or columns from disk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+def _shape(loaded: Any) -> list[int]:
+    return list(loaded.get_shape()) if hasattr(loaded, "get_shape") else list(loaded.shape)
+
+
+def _rows(loaded: Any, start: int, size: int) -> torch.Tensor:
+    return loaded[start:start + size]
+
+
+def _cols(loaded: Any, start: int, size: int) -> torch.Tensor:
+    return loaded[:, start:start + size]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's output rows split over ranks; each rank yields its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        if out_features % self.tp_size:
+            raise ValueError(f"{out_features} output features do not split over {self.tp_size} ranks")
+        self.out_per_rank = out_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
+        self.weight.weight_loader = self.load_rows  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self.load_rows  # type: ignore[attr-defined]
+
+    def load_rows(self, param: nn.Parameter, loaded: Any, shard: Any = None) -> None:
+        size = param.shape[0]
+        _copy(param.data, _rows(loaded, self.tp_rank * size, size), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, dtype)
+        self.out_sizes = out_sizes
+        self.weight.weight_loader = self.load_part  # type: ignore[attr-defined]
+
+    def load_part(self, param: nn.Parameter, loaded: Any, shard: int) -> None:
+        size = self.out_sizes[shard] // self.tp_size
+        offset = sum(self.out_sizes[:shard]) // self.tp_size
+        _copy(param.data[offset:offset + size], _rows(loaded, self.tp_rank * size, size), f"merged part {shard}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. Heads split over ranks; when there are fewer KV
+    heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        tp = tp_size()
+        self.num_heads = num_heads // tp
+        if num_kv_heads >= tp:
+            if num_kv_heads % tp:
+                raise ValueError(f"{num_kv_heads} KV heads do not split over {tp} ranks")
+            self.num_kv_heads = num_kv_heads // tp
+            self.kv_replicas = 1
+        else:
+            if tp % num_kv_heads:
+                raise ValueError(f"{tp} ranks do not replicate {num_kv_heads} KV heads evenly")
+            self.num_kv_heads = 1
+            self.kv_replicas = tp // num_kv_heads
+        self.head_dim = head_dim
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden, total, bias, dtype)
+        self.weight.weight_loader = self.load_part  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = self.load_part  # type: ignore[attr-defined]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def load_part(self, param: nn.Parameter, loaded: Any, shard: str) -> None:
+        if shard == "q":
+            offset, size, head_start = 0, self.q_size, self.tp_rank * self.num_heads
+        else:
+            offset = self.q_size + (0 if shard == "k" else self.kv_size)
+            size, head_start = self.kv_size, (self.tp_rank // self.kv_replicas) * self.num_kv_heads
+        _copy(param.data[offset:offset + size], _rows(loaded, head_start * self.head_dim, size), f"{shard}_proj")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        if in_features % self.tp_size:
+            raise ValueError(f"{in_features} input features do not split over {self.tp_size} ranks")
+        self.in_per_rank = in_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight.weight_loader = self.load_cols  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.weight_loader = lambda p, loaded, shard=None: _copy(p.data, loaded[:], "row-parallel bias")
+
+    def load_cols(self, param: nn.Parameter, loaded: Any, shard: Any = None) -> None:
+        _copy(param.data, _cols(loaded, self.tp_rank * self.in_per_rank, self.in_per_rank), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over ranks; ids outside a rank's range contribute zeros, summed by all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.start = self.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.load_rows  # type: ignore[attr-defined]
+
+    def load_rows(self, param: nn.Parameter, loaded: Any, shard: Any = None) -> None:
+        total = _shape(loaded)[0]
+        end = min(self.start + self.rows_per_rank, total)
+        if end > self.start:
+            _copy(param.data[:end - self.start], _rows(loaded, self.start, end - self.start), "embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, split by rows like the embedding it may share weights with."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return all_gather_last_dim(local)[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation in float32, then cast back and scaled, as the reference models do."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (normalised(x + residual), x + residual): the sum is the next residual."""
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), x

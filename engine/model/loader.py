@@ -1,0 +1,69 @@
+"""Build a model and fill it from a Hugging Face directory of safetensors, sharded or not.
+
+Each tensor-parallel rank opens the files lazily and reads only its slice of every weight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.llama import MODEL_CLASSES
+
+log = logging.getLogger("pdserve.engine.loader")
+
+
+def safetensors_files(path: str) -> list[Path]:
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / n for n in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {path!r}")
+    return files
+
+
+def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = False) -> torch.nn.Module:
+    start = time.perf_counter()
+    with torch.device(device):
+        model = MODEL_CLASSES[cfg.architecture](cfg)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    files = safetensors_files(cfg.path)
+    if progress:
+        from tqdm import tqdm
+        files = tqdm(files, desc="Loading safetensors", unit="file")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = model.checkpoint_name_to_param(name)
+                if target is None:
+                    continue
+                param_name, part = target
+                if param_name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", None)
+                sl = f.get_slice(name)
+                with torch.no_grad():
+                    if loader is None:
+                        param.data.copy_(sl[:])
+                    else:
+                        loader(param, sl, part)
+                loaded.add(param_name)
+    missing = {n for n in params if n not in loaded}
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {sorted(missing)[:8]}")
+    model.eval()
+    log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
+    return model

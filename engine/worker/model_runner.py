@@ -1,0 +1,220 @@
+"""Runs one scheduled step on the model: builds the flat batch, runs the forward, samples.
+
+The runner keeps each request's tokens and blocks between steps, so the scheduler sends only
+what changed. Within a step, requests with a single query token (decodes) come first: the
+attention backends batch them together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from pdserve.engine.attention import torch_paged
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.kv_cache_manager import cdiv
+from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.model.loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker.sampler import SamplingMetadata, sample
+
+log = logging.getLogger("pdserve.engine.runner")
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    # Vocabulary entries banned until min_tokens outputs exist (eos and stop tokens).
+    min_tokens_banned: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class AttentionBackend:
+    plan: Callable[[AttentionMetadata], Any]
+    attend: Callable[..., torch.Tensor]
+    write_kv: Callable[..., None]
+
+
+def attention_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        from pdserve.engine.attention import triton_paged
+
+        def attend_gpu(q, key_cache, value_cache, meta, scale, key=None, value=None):
+            return triton_paged.paged_attention(q, key_cache, value_cache, meta, scale)
+
+        return AttentionBackend(lambda meta: None, attend_gpu, triton_paged.write_kv)
+    return AttentionBackend(torch_paged.plan, torch_paged.paged_attention, torch_paged.write_kv)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        mc = config.model
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_req = cdiv(mc.max_model_len, self.block_size)
+        self.eos_token_ids = mc.eos_token_ids
+        self.vocab_size = mc.vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.backend = attention_backend(device)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_table = np.zeros((config.scheduler.max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def load_model(self, progress: bool = False) -> None:
+        self.model = load_model(self.config.model, self.device, progress=progress)
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr]
+        elem = torch.empty((), dtype=self.config.model.dtype).element_size()
+        return 2 * self.config.model.num_hidden_layers * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr]
+        shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+                          for _ in range(self.config.model.num_hidden_layers)]
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            banned = []
+            if params.min_tokens:
+                banned = sorted(set(params.stop_token_ids or ()) | ({*self.eos_token_ids} if not params.ignore_eos else set()))
+            self.requests[new.req_id] = RequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
+                                                     list(new.block_ids), new.num_computed_tokens, generator, banned)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput({})
+        num_sched = so.num_scheduled_tokens
+        order = sorted(num_sched, key=lambda r: num_sched[r] != 1)  # decodes first, stable otherwise
+        num_reqs = len(order)
+        query_lens = np.fromiter((num_sched[r] for r in order), dtype=np.int64, count=num_reqs)
+        starts = np.empty(num_reqs, dtype=np.int64)
+        token_chunks: list[list[int]] = []
+        sampling_rows: list[int] = []
+        table = self.block_table
+        for i, req_id in enumerate(order):
+            state = self.requests[req_id]
+            start, n = state.num_computed_tokens, int(query_lens[i])
+            starts[i] = start
+            token_chunks.append(state.token_ids[start:start + n])
+            blocks = state.block_ids
+            table[i, :len(blocks)] = blocks
+            if start + n >= len(state.token_ids):
+                sampling_rows.append(i)
+            state.num_computed_tokens = start + n
+
+        num_tokens = int(query_lens.sum())
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
+        slots = table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = (starts + query_lens).astype(np.int32)
+        num_decodes = int(np.count_nonzero(query_lens == 1))
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        block_tables_np = table[:num_reqs, :max_blocks]
+        input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            num_reqs=num_reqs, num_decodes=num_decodes, num_tokens=num_tokens,
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables_np)).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=block_tables_np,
+        )
+        meta.backend_plan = self.backend.plan(meta)
+        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),  # type: ignore[misc]
+                            self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
+        if not sampling_rows:
+            return ModelRunnerOutput({})
+        last_token = torch.from_numpy(cu[1:][sampling_rows] - 1).to(dev)
+        logits = self.model.compute_logits(hidden[last_token])  # type: ignore[union-attr]
+        states = [self.requests[order[i]] for i in sampling_rows]
+        result = sample(logits, self._sampling_metadata(states))
+        return self._record(states, result)
+
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        n = len(states)
+        dev = self.device
+        params = [s.params for s in states]
+        greedy = [p.greedy for p in params]
+        md = SamplingMetadata(
+            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=dev),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            all_greedy=all(greedy),
+        )
+        if not md.all_greedy:
+            if any(p.top_k for p in params):
+                md.top_k = torch.tensor([p.top_k or self.vocab_size for p in params], dtype=torch.long, device=dev)
+            if any(p.top_p < 1.0 for p in params):
+                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            if any(p.min_p > 0.0 for p in params):
+                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            md.max_num_logprobs = max(wanted)
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+            md.output_token_ids = [s.output_token_ids for s in states]
+            md.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] for s in states]
+            md.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        for i, s in enumerate(states):
+            if s.min_tokens_banned and len(s.token_ids) - s.num_prompt_tokens < s.params.min_tokens:
+                md.banned_token_ids[i] = s.min_tokens_banned
+            if s.params.logit_bias:
+                md.logit_bias[i] = {int(k): float(v) for k, v in s.params.logit_bias.items()}
+        return md
+
+    def _record(self, states: list[RequestState], result) -> ModelRunnerOutput:
+        tokens = result.token_ids.tolist()
+        sampled: dict[str, list[int]] = {}
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+            sampled[state.req_id] = [token]
+        logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = {}
+        if result.logprobs is not None:
+            ids, lps, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.ranks.tolist()
+            for i, state in enumerate(states):
+                k = state.params.logprobs
+                if k is not None:
+                    logprobs[state.req_id] = ([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
+        return ModelRunnerOutput(sampled, logprobs)

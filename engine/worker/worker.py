@@ -1,0 +1,96 @@
+"""One tensor-parallel rank: its device, its slice of the model, its KV cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+from pdserve.engine.worker.model_runner import ModelRunner
+
+log = logging.getLogger("pdserve.engine.worker")
+
+CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device("cpu")
+        self.runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        mc = self.config.model
+        if mc.device.startswith("cuda"):
+            self.device = torch.device("cuda", self.rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        tp = self.config.parallel.tensor_parallel_size
+        init_tensor_parallel(self.rank, tp, self.distributed_init_method or "", backend)
+        # Every rank draws the same random numbers, so unseeded sampling agrees across ranks.
+        torch.manual_seed(mc.seed)
+        self.runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        assert self.runner is not None
+        self.runner.load_model(progress=self.rank == 0 and os.environ.get("PDSERVE_PROGRESS", "0") == "1")
+
+    def determine_num_kv_blocks(self) -> int:
+        assert self.runner is not None
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_kv_blocks:
+            return cache.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        # Never more than every sequence slot could use at full context length.
+        enough = sched.max_num_seqs * self.runner.max_blocks_per_req
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = cache.kv_cache_memory_bytes or min(CPU_KV_CACHE_DEFAULT_BYTES, int(0.3 * available_memory_bytes()))
+        blocks = min(enough, budget // per_block)
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache (a block needs {per_block} bytes, budget {budget})")
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free
+        # Leave room for activations at the largest step the scheduler can build.
+        activations = 64 * self.config.scheduler.max_num_batched_tokens * self.config.model.hidden_size * 4
+        return int(total * self.config.cache.gpu_memory_utilization) - used_by_others - activations
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.runner is not None
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.runner is not None
+        output = self.runner.execute_model(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        destroy_tensor_parallel()

@@ -1,0 +1,31 @@
+"""Hugging Face transformers as the reference for generation: greedy, one prompt at a time."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    # Generate exactly max_new_tokens: the engine runs these requests with ignore_eos.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    results = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        results.append(out[0, len(ids):].tolist())
+    return results
+
+
+@torch.inference_mode()
+def hf_next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([token_ids])).logits[0, -1].float()
