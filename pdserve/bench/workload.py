@@ -28,7 +28,8 @@ world town work back same while between small south north east west could both e
 name great group area place water light day night year line side home hand left right point open
 """.split()))
 
-MAX_PROMPT_ROUNDS = 32
+ROUND_TRIPS = 8
+TOP_UP_MARGIN = 8
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def _build(config: LoadConfig, tokenizer: Any, n: int, *, purpose: int, paced: b
     input_lens = in_rng.integers(config.input_len[0], config.input_len[1] + 1, size=n).tolist()
     output_lens = out_rng.integers(config.output_len[0], config.output_len[1] + 1, size=n).tolist()
     arrivals = poisson_arrivals(n, config.request_rate, arrival_rng) if paced else [0.0] * n
-    vocab = _sampling_vocab(tokenizer) if tokenizer is not None else None
+    vocab = _Vocabulary(tokenizer) if tokenizer is not None else None
     items = []
     for i in range(n):
         if tokenizer is None:
@@ -126,31 +127,81 @@ def _word_prompt(length: int, rng: np.random.Generator) -> str:
     return " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), size=length))
 
 
-def _sampling_vocab(tokenizer: Any) -> np.ndarray:
-    # Special tokens would decode to markers like "</s>" that a server may treat specially.
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    return np.array([i for i in range(tokenizer.vocab_size) if i not in special], dtype=np.int64)
+class _Vocabulary:
+    """Token ids to draw prompts from: no special tokens (they decode to markers like "</s>" that
+    servers treat specially), and no tokens that decode to invalid text on their own (stray UTF-8
+    bytes), whose replacement characters re-encode to more tokens and keep lengths from settling.
+    Each id is checked the first time it is drawn, since decoding a whole 150k vocabulary up front
+    would cost more than the prompts."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.ids = np.array([i for i in range(tokenizer.vocab_size) if i not in special], dtype=np.int64)
+        if not len(self.ids):
+            raise ValueError("the tokenizer has no ordinary tokens to build prompts from")
+        self.pieces: dict[int, str | None] = {}
+
+    def piece(self, token_id: int) -> str | None:
+        """The text of one token, or None when it is unusable on its own."""
+        if token_id not in self.pieces:
+            text = self.tokenizer.decode([token_id])
+            self.pieces[token_id] = text if text and "\ufffd" not in text else None
+        return self.pieces[token_id]
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(64):
+            if len(out) >= n:
+                break
+            out.extend(t for t in rng.choice(self.ids, size=2 * (n - len(out)) + 4).tolist() if self.piece(t))
+        if len(out) < n:
+            raise ValueError("the tokenizer has too few tokens that decode to text on their own")
+        return out[:n]
 
 
 def _token_prompt(tokenizer: Any, length: int, rng: np.random.Generator,
-                  vocab: np.ndarray) -> tuple[str, list[int]]:
-    """Random token ids decoded to text, re-encoded and trimmed or topped up until the text encodes
-    to exactly `length` tokens. Decoding then encoding merges or splits pieces, so a single pass
-    rarely lands on the length; a few rounds converge. If a tokenizer never settles, the closest
-    text seen is used."""
-    ids = rng.choice(vocab, size=length).tolist()
-    best: tuple[str, list[int]] | None = None
-    for _ in range(MAX_PROMPT_ROUNDS):
+                  vocab: _Vocabulary) -> tuple[str, list[int]]:
+    """Text that encodes to exactly `length` tokens (no special tokens added).
+
+    Random ids are decoded and re-encoded; re-encoding merges or splits pieces, so the count is
+    trimmed or topped up with fresh ids and the round trip repeated, which settles in a round or
+    two for most tokenizers. When it keeps oscillating, `_top_up` finishes the job one token at a
+    time from a slightly shorter prefix."""
+    ids = vocab.sample(rng, length)
+    encoded: list[int] = []
+    for _ in range(ROUND_TRIPS):
         text = tokenizer.decode(ids)
         encoded = list(tokenizer.encode(text, add_special_tokens=False))
         if len(encoded) == length:
             return text, encoded
-        if best is None or abs(len(encoded) - length) < abs(len(best[1]) - length):
-            best = (text, encoded)
         if len(encoded) > length:
             ids = encoded[:length]
         else:
-            ids = encoded + rng.choice(vocab, size=length - len(encoded)).tolist()
-    assert best is not None
-    return best
+            ids = encoded + vocab.sample(rng, length - len(encoded))
+    return _top_up(tokenizer, length, rng, vocab, encoded)
 
+
+def _top_up(tokenizer: Any, length: int, rng: np.random.Generator, vocab: _Vocabulary,
+            start: list[int]) -> tuple[str, list[int]]:
+    def count(t: str) -> int:
+        return len(tokenizer.encode(t, add_special_tokens=False))
+
+    keep = min(len(start), length)
+    while True:
+        keep = max(0, keep - TOP_UP_MARGIN)
+        text = tokenizer.decode(start[:keep]) if keep else ""
+        n = count(text)
+        if n < length or keep == 0:
+            break
+    # Appending one token's text adds one token to the count nearly always; when it merges with
+    # the end (adds none) or splits (adds two past the goal), another piece is tried instead.
+    for _ in range(4 * (length - n) + 64):
+        if n == length:
+            break
+        piece = vocab.piece(vocab.sample(rng, 1)[0])
+        candidate = text + (piece or "")
+        m = count(candidate)
+        if n < m <= length:
+            text, n = candidate, m
+    return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -38,6 +38,8 @@ class Behaviour:
     reject_unknown_fields: bool = False
     # Send this many tokens, then go silent until the client gives up.
     stall_after: int | None = None
+    # Send this many tokens, then drop the connection mid-body (no terminating chunk).
+    abort_after: int | None = None
     # Without ignore_eos, stop after this many tokens (as if the model emitted EOS).
     eos_after: int | None = None
     crlf: bool = False
@@ -139,6 +141,8 @@ class FakeOpenAI:
             while sent < n_tokens:
                 if b.stall_after is not None and sent >= b.stall_after:
                     await asyncio.sleep(3600)
+                if b.abort_after is not None and sent >= b.abort_after:
+                    raise ConnectionAbortedError("fake server drops the stream on purpose")
                 k = min(b.tokens_per_chunk, n_tokens - sent)
                 text = "".join(f" t{sent + j}" for j in range(k))
                 finish = "length" if sent + k == n_tokens else None
