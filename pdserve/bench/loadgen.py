@@ -10,6 +10,9 @@ waits for a connection inside its own timing. Arrivals follow a seeded Poisson p
 `request_rate` (all at once when it is inf); `concurrency` caps how many are in flight, and with an
 infinite rate that means exactly `concurrency` in flight until the queue drains. How each request is
 timed is described in `pdserve.bench.openai_stream`.
+
+Prompt lengths are the prompt's own tokens: a server adds its BOS token, and on the chat endpoint
+its chat template, on top; the reported input tokens come from the server's usage when it sends one.
 """
 
 from __future__ import annotations
@@ -105,6 +108,10 @@ class LoadResult:
     max_in_flight: int = 0
 
     def summary(self) -> dict[str, Any]:
+        """completed, failed, duration_s, request_throughput, input_tokens, output_tokens,
+        output_tokens_per_s, total_tokens_per_s, and for ttft, tpot, itl and e2e: <name>_mean_ms,
+        <name>_p50_ms, <name>_p90_ms, <name>_p99_ms (None when no request gave that measure).
+        Throughputs count successful requests only; latencies come from successful requests only."""
         return summarize(self.results, self.duration)
 
     def errors(self) -> list[tuple[str, int]]:

@@ -202,6 +202,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
         result.error = str(exc)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
+    except (OSError, ValueError, RuntimeError) as exc:
+        # Whatever else one odd exchange throws (a socket error httpx did not wrap, a body it could
+        # not decode) fails that request, not the run.
+        result.error = f"{type(exc).__name__}: {_clip(str(exc))}"
     if result.error is not None:
         result.ok = False
     return result

@@ -60,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    _raise_open_file_limit(config.concurrency or config.num_requests + config.warmup)
     try:
         result = run_load_sync(config, progress=not args.quiet)
     except LoadError as exc:
@@ -128,6 +129,21 @@ def _write_report(name: str, rows: list[dict[str, Any]], title: str, meta: dict[
     sys.stdout.write(printed.getvalue().replace(str(written), str(json_path)))
     sys.stdout.flush()
     return json_path
+
+
+def _raise_open_file_limit(connections: int) -> None:
+    """Each request in flight holds a socket; the usual soft limit of 1024 descriptors would turn a
+    large all-at-once run into connection errors that say nothing about the server."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def _range(text: str) -> tuple[int, int]:
