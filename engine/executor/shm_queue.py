@@ -1,0 +1,644 @@
+"""A one-writer, many-reader message queue in shared memory, for the EngineCore and its TP workers.
+
+The multiprocess executor broadcasts every scheduler step to all tensor-parallel workers and
+collects one reply per worker. Those messages are small (a few KB to a few hundred KB) and
+latency-critical (one per engine step), so they go through a ring of chunks in a POSIX
+shared-memory segment instead of a socket: the writer copies the serialized message into a chunk
+once, every reader copies it out once, and nobody makes a system call on the fast path.
+
+Layout of the segment (all offsets 64-byte aligned so that flags of different chunks never share a
+cache line)::
+
+    control   magic, version, n_readers, max_chunks, max_chunk_bytes, closed flag, attached flags
+    metadata  per chunk: [written flag][read flag of reader 0] ... [read flag of reader N-1]
+    data      per chunk: [kind u8, 7 pad][payload length u64][payload: max_chunk_bytes]
+
+Protocol, for chunk c (the writer and each reader walk the ring in the same order):
+
+* the writer may (re)fill c when ``written == 0`` (never used) or every read flag is 1. It then
+  stores ``written = 0``, clears the read flags, copies the payload, and stores ``written = 1``;
+* reader r takes c when its own read flag is 0 and ``written == 1``; it copies the message out and
+  stores its read flag = 1. Only reader r ever sets that flag and only the writer clears it, and the
+  writer clears it only after it saw it set, so no byte has two concurrent writers.
+
+A reader that falls behind holds its read flag at 0, so after ``max_chunks`` unread messages the
+writer blocks (back-pressure); nothing is ever overwritten.
+
+Messages larger than a chunk travel over a ZMQ PUB socket (XPUB, so the writer can count
+subscriptions); the chunk then carries only a marker saying "the next message is on the socket".
+Because the marker takes its place in the ring, order is preserved, and because a reader receives
+the socket message before it releases the marker's chunk, at most ``max_chunks`` socket messages
+are ever queued per reader (the socket high-water marks are unlimited: a PUB socket drops messages
+at its HWM, and we must never lose one).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import platform
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_MAX_CHUNKS",
+    "QueueCancelled",
+    "QueueClosed",
+    "QueueHandle",
+    "ShmMessageQueue",
+]
+
+# One chunk holds one message. 1 MiB covers every regular engine message (a scheduler step with
+# a few long new prompts is a few hundred KB, a step's sampled tokens and logprobs tens of KB);
+# anything bigger is rare and takes the socket. 16 chunks let the writer run 16 messages ahead of
+# the slowest reader (the engine is at most a couple of steps ahead, plus utility calls) before it
+# blocks. The segment is 16 MiB of address space per queue, but tmpfs allocates pages only when
+# touched, so a queue of small messages costs a few pages per chunk; that matters in containers,
+# whose /dev/shm is often only 64 MiB.
+DEFAULT_MAX_CHUNK_BYTES = 1 << 20
+DEFAULT_MAX_CHUNKS = 16
+
+# How a waiter waits (see _wait). An engine step takes tens of milliseconds and this code runs on
+# machines with fewer cores than busy processes, so: a short spin catches the reply of a peer that
+# is already running; yields cover a peer that needs the CPU we are on; after that we sleep, with
+# backoff capped so that a message is noticed within about half a millisecond while the engine is
+# busy, and, once a wait has lasted long enough to mean "idle", with a longer cap so that idle
+# workers wake only ~200 times a second (a few hundredths of a percent of a core).
+SPIN_S = 100e-6  # pure polling, no system calls
+YIELD_S = 1e-3  # then sched_yield() until this much time has passed in the wait
+SLEEP_START_S = 50e-6  # first sleep; doubles on each further sleep ...
+HOT_SLEEP_CAP_S = 500e-6  # ... up to this while the wait is younger than IDLE_AFTER_S,
+IDLE_AFTER_S = 1.0
+IDLE_SLEEP_CAP_S = 5e-3  # ... and up to this afterwards.
+CANCEL_EVERY_S = 1e-3  # cancel() may cost a system call (is_alive); call it at most this often
+
+_MAGIC = 0x51534450  # "PDSQ"
+_VERSION = 1
+_CONTROL = struct.Struct("<IHHIIQ")  # magic, version, n_readers, max_chunks, pad, max_chunk_bytes
+_CLOSED_OFF = 24
+_ATTACHED_OFF = 32
+_HDR = struct.Struct("<B7xQ")  # kind, payload length
+_OOB_COUNT = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
+_U64 = struct.Struct("<Q")
+
+# Message kinds, stored in the chunk header.
+_RAW = 1  # bytes in the chunk
+_PICKLE = 2  # a pickle stream in the chunk
+_PICKLE_OOB = 3  # _OOB_COUNT, n buffer lengths, the pickle stream, the buffers
+_REMOTE_RAW = 4  # the bytes are the next message on the socket
+_REMOTE_PICKLE = 5  # the next socket message is [pickle stream, *out-of-band buffers]
+_PICKLED_KINDS = (_PICKLE, _PICKLE_OOB, _REMOTE_PICKLE)
+
+_READY = b"pdserve-shm-queue-ready"
+_SOCKET_LINGER_MS = 1000  # let queued large messages reach live readers when the writer closes
+
+
+class QueueCancelled(Exception):
+    """The `cancel` callback returned True while waiting (for instance: a peer process died)."""
+
+
+class QueueClosed(EOFError):
+    """The writer closed the queue and every message it sent has been read."""
+
+
+class QueueHandle(msgspec.Struct, frozen=True):
+    """Everything a reader needs to attach, in another process (picklable, msgpack-encodable)."""
+
+    shm_name: str
+    n_readers: int
+    max_chunks: int
+    max_chunk_bytes: int
+    zmq_address: str
+
+
+# Memory ordering. The protocol needs the payload stores to become visible before the flag store
+# that publishes them, and a reader's flag load to happen before its payload loads (and its
+# payload loads before the store that releases the chunk). CPython never reorders: every
+# memoryview access is a separate C call the compiler cannot move others across. The CPU might:
+# x86-64 (TSO) keeps stores in order with stores, loads with loads, and loads before later stores,
+# which is all this protocol relies on (it never needs a store to be ordered before a later load),
+# and glibc ends its non-temporal memcpy path with an sfence; so on x86 the fence is nothing.
+# ARM and POWER reorder freely, and Python has no fence instruction, so there we borrow one from a
+# lock: acquire has acquire semantics and release has release semantics, and a release followed
+# by an acquire is ordered too (AArch64 LDAR after STLR), so acquire-release-acquire-release
+# orders every access before it against every access after it. Costs ~1 µs; x86 skips it.
+_TSO = platform.machine().lower() in {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
+_fence_lock = threading.Lock()
+
+
+def _lock_fence() -> None:
+    _fence_lock.acquire()
+    _fence_lock.release()
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _no_fence() -> None:
+    pass
+
+
+_fence = _no_fence if _TSO else _lock_fence
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+class _Layout:
+    def __init__(self, n_readers: int, max_chunks: int, max_chunk_bytes: int) -> None:
+        if n_readers < 1:
+            raise ValueError("n_readers must be at least 1")
+        if max_chunks < 1:
+            raise ValueError("max_chunks must be at least 1")
+        if max_chunk_bytes < _OOB_COUNT.size:
+            raise ValueError(f"max_chunk_bytes must be at least {_OOB_COUNT.size}")
+        control = _align(_ATTACHED_OFF + n_readers)
+        meta_stride = _align(1 + n_readers)
+        data_start = _align(control + meta_stride * max_chunks, 4096)
+        data_stride = _align(_HDR.size + max_chunk_bytes)
+        self.written = [control + c * meta_stride for c in range(max_chunks)]
+        self.read = [w + 1 for w in self.written]
+        self.data = [data_start + c * data_stride for c in range(max_chunks)]
+        self.size = data_start + data_stride * max_chunks
+
+
+def _open_segment(name: str) -> tuple[Any, memoryview]:
+    """Map an existing segment without telling the resource tracker.
+
+    Python 3.11's SharedMemory(name) registers the segment with the resource tracker, which then
+    unlinks it when *this* process's tracker exits: a reader would destroy the writer's segment,
+    or warn about a "leak" it does not own. Unregistering afterwards is no cure: processes started
+    with multiprocessing share their parent's tracker, whose record is a set, so the reader's
+    unregister would drop the writer's own registration and the writer's unlink would then fail
+    inside the tracker (a KeyError traceback on stderr). So readers map the segment themselves and
+    the tracker only ever hears about it from the writer.
+    """
+    try:
+        import _posixshmem
+    except ImportError:  # Windows: no tracker there, SharedMemory is fine
+        shm = shared_memory.SharedMemory(name=name)
+        return shm, shm.buf
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return mm, memoryview(mm)
+
+
+class _Resources:
+    """What close() and the exit-time finalizer release; holds no reference to the queue."""
+
+    def __init__(self) -> None:
+        self.buf: memoryview | None = None
+        self.mapping: Any = None  # SharedMemory (writer) or mmap (reader)
+        self.unlink = False
+        self.socket: zmq.Socket | None = None
+        self.ipc_path: str | None = None
+
+    def release(self) -> None:
+        sock, self.socket = self.socket, None
+        if sock is not None:
+            try:
+                sock.close(linger=_SOCKET_LINGER_MS if self.unlink else 0)
+            except zmq.ZMQError:
+                pass
+        buf, self.buf = self.buf, None
+        mapping, self.mapping = self.mapping, None
+        if mapping is not None:
+            if self.unlink and buf is not None:
+                buf[_CLOSED_OFF] = 1  # readers drain what is left, then raise QueueClosed
+            if isinstance(mapping, shared_memory.SharedMemory):
+                try:
+                    mapping.close()
+                except BufferError:  # a view still exported somewhere; the mapping dies with it
+                    pass
+                if self.unlink:
+                    try:
+                        mapping.unlink()
+                    except FileNotFoundError:
+                        pass
+            else:
+                if buf is not None:
+                    buf.release()
+                try:
+                    mapping.close()
+                except BufferError:
+                    pass
+        if self.ipc_path is not None:
+            try:
+                os.unlink(self.ipc_path)
+            except OSError:
+                pass
+            self.ipc_path = None
+
+
+def _flat(data: Any) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # raises TypeError for non-contiguous buffers, as it should
+    return view
+
+
+class ShmMessageQueue:
+    """One writer, `n_readers` readers; every reader receives every message, in order.
+
+    Create it in the writer with `create()`, pass `handle()` to each reader process, `attach()`
+    there with a distinct rank, and call `wait_until_ready()` on all sides before traffic. A queue
+    object is meant for one thread at a time.
+    """
+
+    def __init__(self, handle: QueueHandle, layout: _Layout, resources: _Resources, reader_rank: int | None):
+        self._handle = handle
+        self._layout = layout
+        self._res = resources
+        self._buf: memoryview = resources.buf  # type: ignore[assignment]
+        self._sock: zmq.Socket = resources.socket  # type: ignore[assignment]
+        self._rank = reader_rank
+        self._pos = 0
+        self._ready = False
+        self._closed = False
+        self._subscribed = 0  # writer: subscriptions seen on the XPUB socket
+        self._ones = b"\x01" * handle.n_readers
+        self._zeros = bytes(handle.n_readers)
+        self._finalizer = weakref.finalize(self, resources.release)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(cls, n_readers: int, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+               max_chunks: int = DEFAULT_MAX_CHUNKS) -> "ShmMessageQueue":
+        """Make the segment and the overflow socket; the caller is the writer."""
+        layout = _Layout(n_readers, max_chunks, max_chunk_bytes)
+        res = _Resources()
+        res.unlink = True
+        try:
+            shm = shared_memory.SharedMemory(name=f"pdsq_{uuid.uuid4().hex[:16]}", create=True, size=layout.size)
+            res.mapping, res.buf = shm, shm.buf
+            _CONTROL.pack_into(shm.buf, 0, _MAGIC, _VERSION, n_readers, max_chunks, 0, max_chunk_bytes)
+            sock = zmq.Context.instance().socket(zmq.XPUB)
+            res.socket = sock
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per reader, not per topic
+            address = _bind(sock, res)
+        except BaseException:
+            res.release()
+            raise
+        handle = QueueHandle(shm_name=shm.name, n_readers=n_readers, max_chunks=max_chunks,
+                             max_chunk_bytes=max_chunk_bytes, zmq_address=address)
+        return cls(handle, layout, res, None)
+
+    def handle(self) -> QueueHandle:
+        return self._handle
+
+    @classmethod
+    def attach(cls, handle: QueueHandle, reader_rank: int) -> "ShmMessageQueue":
+        """Map the writer's segment and subscribe to its overflow socket, as reader `reader_rank`."""
+        if not 0 <= reader_rank < handle.n_readers:
+            raise ValueError(f"reader_rank {reader_rank} out of range for {handle.n_readers} readers")
+        layout = _Layout(handle.n_readers, handle.max_chunks, handle.max_chunk_bytes)
+        res = _Resources()
+        try:
+            res.mapping, res.buf = _open_segment(handle.shm_name)
+            buf = res.buf
+            if len(buf) < layout.size:
+                raise ValueError(f"shared memory {handle.shm_name} is smaller than its handle describes")
+            magic, version, n_readers, max_chunks, _, max_chunk_bytes = _CONTROL.unpack_from(buf, 0)
+            if (magic, version) != (_MAGIC, _VERSION) or (n_readers, max_chunks, max_chunk_bytes) != (
+                    handle.n_readers, handle.max_chunks, handle.max_chunk_bytes):
+                raise ValueError(f"shared memory {handle.shm_name} does not match its handle")
+            if buf[_ATTACHED_OFF + reader_rank]:
+                raise ValueError(f"reader rank {reader_rank} is already attached to {handle.shm_name}")
+            buf[_ATTACHED_OFF + reader_rank] = 1
+            sock = zmq.Context.instance().socket(zmq.SUB)
+            res.socket = sock
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(handle.zmq_address)
+        except BaseException:
+            res.release()
+            raise
+        return cls(handle, layout, res, reader_rank)
+
+    def wait_until_ready(self, timeout: float = 30.0) -> None:
+        """Return once every reader is attached and subscribed (call it in the writer and every reader).
+
+        The writer counts subscriptions on its XPUB socket and then publishes a ready message;
+        a reader returns when it receives that message, which proves its subscription is live,
+        so no later overflow message can be dropped for want of a subscriber.
+        """
+        if self._ready:
+            return
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        sock = self._sock
+        if self._rank is None:
+            while self._subscribed < self._handle.n_readers:
+                if not sock.poll(_poll_ms(deadline)):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"only {self._subscribed} of {self._handle.n_readers} readers "
+                                           f"subscribed within {timeout} s")
+                    continue
+                event = sock.recv()
+                if event[:1] == b"\x01":
+                    self._subscribed += 1
+            sock.send(_READY)
+        else:
+            while True:
+                if sock.poll(_poll_ms(deadline)):
+                    if sock.recv() != _READY:
+                        raise RuntimeError("unexpected message before the ready message")
+                    break
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the writer did not report ready within {timeout} s")
+        self._ready = True
+
+    # ------------------------------------------------------------------ writer
+
+    def enqueue(self, obj: Any, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> None:
+        """Pickle `obj` (protocol 5; out-of-band buffers are copied straight into the chunk) and send it."""
+        buffers: list[pickle.PickleBuffer] = []
+        stream = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        if not buffers:
+            self._send(_PICKLE, [stream], len(stream), timeout, cancel)
+            return
+        try:
+            raws = [b.raw() for b in buffers]
+        except BufferError:  # a non-contiguous buffer: keep it in the stream
+            stream = pickle.dumps(obj, protocol=5)
+            self._send(_PICKLE, [stream], len(stream), timeout, cancel)
+            return
+        framing = _OOB_COUNT.pack(len(raws), len(stream)) + b"".join(_U64.pack(r.nbytes) for r in raws)
+        total = len(framing) + len(stream) + sum(r.nbytes for r in raws)
+        self._send(_PICKLE_OOB, [framing, stream, *raws], total, timeout, cancel)
+
+    def enqueue_bytes(self, data: bytes | bytearray | memoryview, timeout: float | None = None,
+                      cancel: Callable[[], bool] | None = None) -> None:
+        """Send bytes as they are (for callers that already hold msgpack); readers get bytes back."""
+        view = _flat(data)
+        self._send(_RAW, [view], view.nbytes, timeout, cancel)
+
+    def _send(self, kind: int, parts: list, total: int, timeout: float | None,
+              cancel: Callable[[], bool] | None) -> None:
+        if self._rank is not None:
+            raise RuntimeError("a reader cannot enqueue")
+        self._check_open()
+        remote = total > self._handle.max_chunk_bytes
+        if remote and not self._ready:
+            self.wait_until_ready()
+        buf = self._buf
+        c = self._pos
+        written = self._layout.written[c]
+        read0 = self._layout.read[c]
+        read1 = read0 + self._handle.n_readers
+        ones = self._ones
+
+        def free() -> bool:
+            return buf[written] == 0 or buf[read0:read1] == ones
+
+        if not free():
+            _wait(free, _deadline(timeout), cancel, None, "the slowest reader to free a chunk")
+        _fence()  # the readers' last loads of this chunk come before our stores
+        buf[written] = 0
+        _fence()  # readers must see written == 0 before they see their read flag cleared
+        buf[read0:read1] = self._zeros
+        data = self._layout.data[c]
+        if remote:
+            # Sent before the marker is published, so a reader that sees the marker finds the
+            # message on its way. The pickle stream is ours and immutable: no copy. Caller buffers
+            # (raw bytes, out-of-band arrays) are copied so that the caller may reuse them at once.
+            if kind == _RAW:
+                self._sock.send(parts[0], copy=not isinstance(parts[0].obj, bytes))
+                _HDR.pack_into(buf, data, _REMOTE_RAW, total)
+            else:
+                frames = parts[1:] if kind == _PICKLE_OOB else parts
+                last = len(frames) - 1
+                for i, frame in enumerate(frames):
+                    self._sock.send(frame, zmq.SNDMORE if i < last else 0, copy=i > 0)
+                _HDR.pack_into(buf, data, _REMOTE_PICKLE, total)
+        else:
+            _HDR.pack_into(buf, data, kind, total)
+            offset = data + _HDR.size
+            for part in parts:
+                n = len(part) if isinstance(part, bytes) else part.nbytes
+                buf[offset:offset + n] = part
+                offset += n
+        _fence()  # the payload is visible before the flag that publishes it
+        buf[written] = 1
+        self._pos = c + 1 if c + 1 < self._handle.max_chunks else 0
+
+    # ------------------------------------------------------------------ reader
+
+    def dequeue(self, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> Any:
+        """Return the next message: the unpickled object, or bytes if it was sent with enqueue_bytes."""
+        return self._recv(timeout, cancel, raw_only=False)
+
+    def dequeue_bytes(self, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> bytes:
+        """Return the next message, which must have been sent with enqueue_bytes.
+
+        A pickled message raises TypeError and stays in the queue (dequeue() still gets it).
+        """
+        return self._recv(timeout, cancel, raw_only=True)
+
+    def _recv(self, timeout: float | None, cancel: Callable[[], bool] | None, raw_only: bool) -> Any:
+        if self._rank is None:
+            raise RuntimeError("the writer cannot dequeue")
+        self._check_open()
+        buf = self._buf
+        c = self._pos
+        own = self._layout.read[c] + self._rank
+        written = self._layout.written[c]
+        deadline: float | None = None
+
+        def available() -> bool:
+            return buf[own] == 0 and buf[written] == 1
+
+        while True:
+            if not available():
+                if deadline is None:
+                    deadline = _deadline(timeout)
+                _wait(available, deadline, cancel, self._writer_closed, "a message")
+            # Our read flag at 0 means the writer cleared it (or it was never set), and the writer
+            # stored written = 0 before clearing it; so written == 1 seen *after* that load,
+            # fenced, can only be the store that follows this round's payload.
+            _fence()
+            if buf[written] == 1:
+                break
+        _fence()  # payload loads after the flag loads
+        data = self._layout.data[c]
+        kind, length = _HDR.unpack_from(buf, data)
+        if raw_only and kind in _PICKLED_KINDS:
+            raise TypeError("the next message was pickled (sent with enqueue); read it with dequeue()")
+        start = data + _HDR.size
+        if kind == _REMOTE_RAW or kind == _REMOTE_PICKLE:
+            if not self._ready:
+                self.wait_until_ready(_remaining(deadline, 30.0))
+            if deadline is None:
+                deadline = _deadline(timeout)
+            frames = self._recv_socket(deadline, cancel)  # raises before we release: retried next time
+            self._release(own)
+            if kind == _REMOTE_RAW:
+                return frames[0].bytes
+            return pickle.loads(frames[0].buffer, buffers=[bytearray(f.buffer) for f in frames[1:]])
+        try:
+            if kind == _RAW:
+                return bytes(buf[start:start + length])
+            if kind == _PICKLE:
+                return pickle.loads(buf[start:start + length])
+            if kind == _PICKLE_OOB:
+                count, stream_len = _OOB_COUNT.unpack_from(buf, start)
+                pos = start + _OOB_COUNT.size
+                lengths = [_U64.unpack_from(buf, pos + 8 * i)[0] for i in range(count)]
+                pos += 8 * count
+                stream = buf[pos:pos + stream_len]
+                pos += stream_len
+                # Copied out (bytearray, so arrays come back writable): the chunk gets reused.
+                buffers = []
+                for n in lengths:
+                    buffers.append(bytearray(buf[pos:pos + n]))
+                    pos += n
+                return pickle.loads(stream, buffers=buffers)
+            raise RuntimeError(f"corrupt queue: unknown message kind {kind} in chunk {c}")
+        finally:
+            # Consumed even if unpickling failed: a message that cannot be read must not wedge the queue.
+            self._release(own)
+
+    def _release(self, own: int) -> None:
+        _fence()  # our payload loads are done before the writer may see the chunk as free
+        self._buf[own] = 1
+        c = self._pos + 1
+        self._pos = c if c < self._handle.max_chunks else 0
+
+    def _recv_socket(self, deadline: float | None, cancel: Callable[[], bool] | None) -> list:
+        sock = self._sock
+        while True:
+            # The message was sent before its marker was published: it is normally here already.
+            if sock.poll(0 if deadline is not None and deadline <= time.monotonic() else
+                         min(_poll_ms(deadline), max(1, int(CANCEL_EVERY_S * 1000)))):
+                return sock.recv_multipart(copy=False)
+            if cancel is not None and cancel():
+                raise QueueCancelled("cancelled while waiting for an overflow message")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("timed out waiting for an overflow message on the socket")
+
+    def _writer_closed(self) -> bool:
+        return self._buf[_CLOSED_OFF] == 1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Writer: mark the queue closed and unlink the segment. Reader: detach. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._buf = None  # type: ignore[assignment]
+        self._sock = None  # type: ignore[assignment]
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("queue is closed")
+
+    def __enter__(self) -> "ShmMessageQueue":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def is_writer(self) -> bool:
+        return self._rank is None
+
+    @property
+    def reader_rank(self) -> int | None:
+        return self._rank
+
+    def __repr__(self) -> str:
+        role = "writer" if self._rank is None else f"reader {self._rank}"
+        return (f"ShmMessageQueue({self._handle.shm_name}, {role}, {self._handle.n_readers} readers, "
+                f"{self._handle.max_chunks} x {self._handle.max_chunk_bytes} B{', closed' if self._closed else ''})")
+
+
+def _bind(sock: zmq.Socket, res: _Resources) -> str:
+    # ipc is the faster transport for the large messages that come this way; tcp on loopback
+    # where ipc is missing or the socket path would be too long for sockaddr_un.
+    if zmq.has("ipc"):
+        path = os.path.join(tempfile.gettempdir(), f"pdsq-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+        if len(path) < 100:
+            address = f"ipc://{path}"
+            sock.bind(address)
+            res.ipc_path = path
+            return address
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return f"tcp://127.0.0.1:{port}"
+
+
+_sched_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError("timeout must be non-negative or None")
+    return time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None, default: float) -> float:
+    return default if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _poll_ms(deadline: float | None) -> int:
+    if deadline is None:
+        return 100
+    return max(0, min(100, int((deadline - time.monotonic()) * 1000 + 0.999)))
+
+
+def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[], bool] | None,
+          closed: Callable[[], bool] | None, what: str) -> None:
+    """Return once ready() is true: spin, then yield, then sleep with capped backoff.
+
+    Raises TimeoutError at `deadline` (time.monotonic()), QueueCancelled when cancel() is true,
+    QueueClosed when closed() is true and ready() stays false.
+    """
+    now = start = time.monotonic()
+    next_check = start  # cancel and closed are checked on the first slow iteration, then every ms
+    sleep_s = SLEEP_START_S
+    sched_yield = _sched_yield
+    while True:
+        if ready():
+            return
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + CANCEL_EVERY_S
+            if cancel is not None and cancel():
+                raise QueueCancelled(f"cancelled while waiting for {what}")
+            if closed is not None and closed():
+                _fence()  # closed is stored after the last message is published
+                if ready():
+                    return
+                raise QueueClosed("the writer closed the queue")
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        waited = now - start
+        if waited < SPIN_S:
+            continue
+        if waited < YIELD_S:
+            sched_yield()
+            continue
+        nap = sleep_s
+        if deadline is not None:
+            nap = min(nap, deadline - now)
+        time.sleep(max(nap, 0.0))
+        sleep_s = min(sleep_s * 2, HOT_SLEEP_CAP_S if waited < IDLE_AFTER_S else IDLE_SLEEP_CAP_S)
