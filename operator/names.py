@@ -1,0 +1,72 @@
+"""Names and labels of the objects rendered for one InferenceService.
+
+Rendering, status and the autoscaler all find objects by these names; keeping them in one place
+means a rename cannot leave one of them looking for an object that no longer exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode", "router", "coordinator", "kvstore")
+ENGINE_ROLES = ("prefill", "decode")
+
+APP_NAME = "pdserve"
+MANAGED_BY = "pdserve-operator"
+ROLE_LABEL = "pdserve.io/role"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+
+# Ports every rendered pod agrees on (the pod commands in commands.py use the same numbers).
+ENGINE_PORT = 8000
+KV_TRANSFER_PORT = 5600
+COORDINATOR_STATS_PORT = 5557
+COORDINATOR_PUBLISH_PORT = 5558
+COORDINATOR_HTTP_PORT = 8080
+KVSTORE_PORT = 5700
+
+
+@dataclass(frozen=True)
+class Names:
+    instance: str
+
+    def deployment(self, role: str) -> str:
+        return f"{self.instance}-{role}"
+
+    def service(self, role: str) -> str:
+        # Engine services are headless (the router reads their EndpointSlices); the router's is public.
+        return f"{self.instance}-{role}"
+
+    @property
+    def router_account(self) -> str:
+        return f"{self.instance}-router"
+
+    @property
+    def engine_config(self) -> str:
+        return f"{self.instance}-engine"
+
+    def selector(self, role: str) -> dict[str, str]:
+        """Deployment selectors are immutable: only labels that never change for a role go here."""
+        return {"app.kubernetes.io/name": APP_NAME, INSTANCE_LABEL: self.instance, ROLE_LABEL: role}
+
+    def selector_string(self, role: str) -> str:
+        return ",".join(f"{k}={v}" for k, v in sorted(self.selector(role).items()))
+
+    def labels(self, component: str) -> dict[str, str]:
+        """Labels of every object; `pdserve.io/role` only on what belongs to one role's pods."""
+        labels = {
+            "app.kubernetes.io/name": APP_NAME,
+            INSTANCE_LABEL: self.instance,
+            "app.kubernetes.io/component": component,
+            MANAGED_BY_LABEL: MANAGED_BY,
+            "app.kubernetes.io/part-of": APP_NAME,
+        }
+        if component in ROLES:
+            labels[ROLE_LABEL] = component
+        return labels
+
+    def coordinator_address(self, port: int) -> str:
+        return f"{self.service('coordinator')}:{port}"
+
+    def endpoint(self, namespace: str, port: int) -> str:
+        return f"http://{self.service('router')}.{namespace}.svc:{port}/v1"

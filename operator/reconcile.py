@@ -1,0 +1,156 @@
+"""One reconciliation of an InferenceService: render, apply, and write status.
+
+Plain functions over an API client, so the kopf handlers stay one-liners and this can be driven
+directly. Every write is conditional: when the cluster already matches, a pass only reads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pdserve.operator import crd
+from pdserve.operator.apply import Client, Outcome, apply, plan
+from pdserve.operator.names import ROLES, Names
+from pdserve.operator.render import optional_objects, render_service
+from pdserve.operator.spec import InferenceService, InvalidSpec, parse
+from pdserve.operator.status import compute_status, invalid_status, status_patch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Locks:
+    """One lock per InferenceService: handlers run in threads, and a reconcile racing a status
+    refresh could otherwise write a status computed from Deployments it has just replaced."""
+
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+
+@dataclass(frozen=True)
+class Result:
+    outcomes: list[Outcome]
+    status_patch: dict[str, Any]
+    invalid: str | None = None
+    deleted: tuple[str, ...] = ()
+
+    @property
+    def writes(self) -> int:
+        return (sum(o.action != "unchanged" for o in self.outcomes) + bool(self.status_patch) + len(self.deleted))
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return uid is None or any(ref.get("uid") == uid for ref in refs)
+
+
+def live_deployments(client: Client, namespace: str, name: str, uid: str | None) -> dict[str, dict | None]:
+    names = Names(name)
+    found = {}
+    for role in ROLES:
+        deployment = client.get("apps/v1", "Deployment", namespace, names.deployment(role))
+        found[role] = deployment if deployment is not None and _owned_by(deployment, uid) else None
+    return found
+
+
+def _write_status(client: Client, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+    meta = obj["metadata"]
+    client.patch(crd.API_VERSION, crd.KIND, meta.get("namespace"), meta["name"], {"status": dict(patch)},
+                 subresource="status")
+
+
+def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: str | None = None) -> Result | None:
+    """Bring the cluster to what the InferenceService renders, then write its status.
+
+    The resource is read afresh rather than taken from the triggering event: a status written
+    since then by a refresh must be the baseline, or an identical status would be written again.
+    Returns None when the resource is gone or being deleted (owner references clean up), or when
+    `uid` names an older resource than the one now under that name.
+    """
+    obj = client.get(crd.API_VERSION, crd.KIND, namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return None
+    if uid is not None and obj["metadata"].get("uid") not in (None, uid):
+        return None
+    meta = obj["metadata"]
+    uid = meta.get("uid")
+    previous = obj.get("status") or {}
+    try:
+        isvc = parse(obj)
+    except InvalidSpec as error:
+        # Nothing is applied: a half-rendered service (say, engines without their router) is worse
+        # than the previous, consistent one, which keeps running.
+        running = any(d is not None for d in live_deployments(client, namespace, name, uid).values())
+        status = invalid_status(meta.get("generation"), str(error), running, previous, now)
+        patch = status_patch(previous, status, partial=True)
+        if patch:
+            _write_status(client, obj, patch)
+        return Result([], patch, invalid=str(error))
+
+    outcomes = [apply(client, manifest) for manifest in render_service(isvc)]
+    deleted = []
+    for api_version, kind, stale_name in optional_objects(isvc):
+        stale = client.get(api_version, kind, namespace, stale_name)
+        if stale is not None and _owned_by(stale, uid):
+            client.delete(api_version, kind, namespace, stale_name)
+            deleted.append(f"{kind}/{stale_name}")
+    names = Names(name)
+    deployments = {role: next((o.live for o in outcomes if o.kind == "Deployment" and o.name == names.deployment(role)),
+                              None) for role in ROLES}
+    patch = _refresh(client, obj, isvc, deployments, now)
+    return Result(outcomes, patch, deleted=tuple(deleted))
+
+
+def _refresh(client: Client, obj: Mapping[str, Any], isvc: InferenceService,
+             deployments: Mapping[str, Mapping[str, Any] | None], now: dt.datetime) -> dict[str, Any]:
+    previous = obj.get("status") or {}
+    patch = status_patch(previous, compute_status(isvc, deployments, previous, now))
+    if patch:
+        _write_status(client, obj, patch)
+    return patch
+
+
+def owner_of(obj: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """(namespace, name, uid) of the InferenceService controlling `obj`, if any."""
+    meta = obj.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("apiVersion") == crd.API_VERSION and ref.get("kind") == crd.KIND and ref.get("controller"):
+            return meta.get("namespace"), ref["name"], ref.get("uid")
+    return None
+
+
+def deployment_changed(client: Client, deployment: Mapping[str, Any], deleted: bool,
+                       now: dt.datetime) -> Result | dict[str, Any] | None:
+    """React to a watch event of a Deployment the operator made.
+
+    Usually only readiness changed, and the owner's status is recomputed. When the Deployment was
+    deleted or edited by hand away from what its owner renders (say `kubectl scale deployment`),
+    the owner is reconciled, which restores it: the InferenceService is the source of truth.
+    """
+    owner = owner_of(deployment)
+    if owner is None:
+        return None
+    namespace, name, uid = owner
+    obj = client.get(crd.API_VERSION, crd.KIND, namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        return None
+    if uid is not None and obj["metadata"].get("uid") not in (None, uid):
+        return None  # it belonged to an earlier resource of the same name
+    try:
+        isvc = parse(obj)
+    except InvalidSpec:
+        return None  # the reconcile has reported it; nothing here may change anything
+    name_of_deployment = deployment["metadata"]["name"]
+    desired = next((m for m in render_service(isvc)
+                    if m["kind"] == "Deployment" and m["metadata"]["name"] == name_of_deployment), None)
+    if deleted or desired is None or plan(desired, deployment) is not None:
+        return reconcile(client, namespace, name, now, uid)
+    return _refresh(client, obj, isvc, live_deployments(client, namespace, name, isvc.uid), now)
