@@ -197,7 +197,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
     try:
         await asyncio.wait_for(_exchange(client, url, payload, headers, timing), timeout)
     except (asyncio.TimeoutError, httpx.TimeoutException):
-        result.error = f"timed out after {timeout:g} s"
+        # A complete answer whose connection was still draining when time ran out stays a success.
+        if not result.ok:
+            result.error = f"timed out after {timeout:g} s"
     except StreamError as exc:
         result.error = str(exc)
     except httpx.HTTPError as exc:
@@ -233,6 +235,7 @@ async def _exchange(client: httpx.AsyncClient, url: str, payload: dict[str, Any]
         decoder = SSEDecoder()
         reads = response.aiter_bytes()
         done = False
+        now = time.perf_counter()
         async for raw in reads:
             now = time.perf_counter()
             for event in decoder.feed(raw):
@@ -242,11 +245,11 @@ async def _exchange(client: httpx.AsyncClient, url: str, payload: dict[str, Any]
             if done:
                 break
         if not done:
-            now = time.perf_counter()
+            # Whatever close() releases arrived with the last read; the stream ends at EOF.
             for event in decoder.close():
                 if timing.event(event, now):
                     break
-            timing.finish(now)
+            timing.finish(timing.done_at if timing.done_at is not None else time.perf_counter())
             return
         timing.finish(timing.done_at if timing.done_at is not None else time.perf_counter())
         try:

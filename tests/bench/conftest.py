@@ -38,6 +38,8 @@ class Behaviour:
     reject_unknown_fields: bool = False
     # Send this many tokens, then go silent until the client gives up.
     stall_after: int | None = None
+    # Send this many tokens, then an error event in the stream (as vLLM does) and end the body.
+    error_after: int | None = None
     # Send this many tokens, then drop the connection mid-body (no terminating chunk).
     abort_after: int | None = None
     # Without ignore_eos, stop after this many tokens (as if the model emitted EOS).
@@ -141,6 +143,9 @@ class FakeOpenAI:
             while sent < n_tokens:
                 if b.stall_after is not None and sent >= b.stall_after:
                     await asyncio.sleep(3600)
+                if b.error_after is not None and sent >= b.error_after:
+                    yield self._frame({"error": {"object": "error", "message": "engine died", "code": 500}})
+                    return
                 if b.abort_after is not None and sent >= b.abort_after:
                     raise ConnectionAbortedError("fake server drops the stream on purpose")
                 k = min(b.tokens_per_chunk, n_tokens - sent)

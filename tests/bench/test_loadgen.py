@@ -169,7 +169,7 @@ async def test_poisson_pacing_sends_no_request_before_it_is_due(server):
     items = build_workload(config)
     assert result.summary()["completed"] == 10
     for item, r in zip(items, result.results):
-        assert r.start >= item.arrival - 1e-6
+        assert r.start >= item.arrival - 1e-3
     assert result.duration >= items[-1].arrival
 
 
@@ -186,6 +186,13 @@ async def test_dropped_stream_counts_as_failed(server):
     result = await run(cfg(server, num_requests=6, output_len=(5, 8)))
     assert result.summary()["failed"] == 6
     assert all(r.error for r in result.results)
+
+
+async def test_error_event_inside_the_stream_counts_as_failed(server):
+    server.fake.behaviour.error_after = 1
+    result = await run(cfg(server, num_requests=4))
+    assert result.errors() == [("error in stream: engine died", 4)]
+    assert all(r.status == 200 and not r.ok for r in result.results)
 
 
 async def test_unreachable_server(server):
