@@ -45,13 +45,17 @@ def test_arrivals_are_sorted_and_start_at_zero():
 
 def test_poisson_inter_arrival_mean_is_one_over_rate():
     rate = 4.0
-    arrivals = poisson_arrivals(20001, rate, np.random.default_rng(123))
-    gaps = np.diff(arrivals)
+    items = build_workload(config(num_requests=20001, request_rate=rate, input_len=(1, 1), output_len=(1, 1),
+                                  seed=123))
+    gaps = np.diff([it.arrival for it in items])
     # Mean of 20000 exponential gaps: standard error is 1/rate/sqrt(20000) ~ 0.7 %; 5 % is very loose.
     assert gaps.mean() == pytest.approx(1 / rate, rel=0.05)
     # Exponential: the standard deviation equals the mean.
     assert gaps.std() == pytest.approx(1 / rate, rel=0.05)
     assert (gaps >= 0).all()
+    assert poisson_arrivals(3, float("inf"), np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0, np.random.default_rng(0))
 
 
 def test_warmup_items_are_separate_from_measured_ones():
