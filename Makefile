@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PIP) install torch==2.13.0 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	$(PIP) install -e '.[dev]' 2>&1 | { grep -v 'is ignored' || true; }
+	$(PY) -m pdserve.engine.attention.cpu_kernels
 	touch $@
 
 test: install

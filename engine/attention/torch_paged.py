@@ -47,12 +47,14 @@ class TorchAttentionPlan:
     prefills: list[PrefillPlan]
 
 
-def plan(meta: AttentionMetadata) -> TorchAttentionPlan:
+def plan(meta: AttentionMetadata, gather_decodes: bool = True) -> TorchAttentionPlan:
+    """Precompute gather indices and masks for one step. With `gather_decodes=False` only the
+    prefills are planned: the decode rows go to a kernel that reads the blocks itself."""
     device = meta.slot_mapping.device
     qsl, seq_lens, tables, bs = meta.query_start_loc_np, meta.seq_lens_np, meta.block_tables_np, meta.block_size
     decode_slots = decode_mask = None
     nd = meta.num_decodes
-    if nd:
+    if nd and gather_decodes:
         lens = seq_lens[:nd].astype(np.int64)
         max_len = int(lens.max())
         num_blocks = -(-max_len // bs)
@@ -80,18 +82,28 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Attention of `query` [tokens, heads, head_dim] over the paged cache (already holding this
     step's keys). `key`/`value`, when given, let prompts without earlier context skip the gather."""
     p: TorchAttentionPlan = meta.backend_plan if isinstance(meta.backend_plan, TorchAttentionPlan) else plan(meta)
+    out = torch.empty_like(query) if out is None else out
+    nd = meta.num_decodes
+    if nd:
+        num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
+        k = key_cache.view(-1, num_kv_heads, head_dim)[p.decode_slots].transpose(1, 2)  # [nd, kv_heads, len, dim]
+        v = value_cache.view(-1, num_kv_heads, head_dim)[p.decode_slots].transpose(1, 2)
+        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.decode_mask, scale=scale,
+                                           enable_gqa=query.shape[1] != num_kv_heads)
+        out[:nd] = o.squeeze(2)
+    prefill_attention(query, key_cache, value_cache, meta, p, scale, key, value, out)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                      p: TorchAttentionPlan, scale: float, key: torch.Tensor | None, value: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+    """The rows of requests with more than one query token, one SDPA call per request."""
     num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
     k_flat = key_cache.view(-1, num_kv_heads, head_dim)
     v_flat = value_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(query) if out is None else out
     gqa = query.shape[1] != num_kv_heads
-    nd = meta.num_decodes
-    if nd:
-        k = k_flat[p.decode_slots].transpose(1, 2)  # [nd, kv_heads, len, dim]
-        v = v_flat[p.decode_slots].transpose(1, 2)
-        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.decode_mask, scale=scale, enable_gqa=gqa)
-        out[:nd] = o.squeeze(2)
     for pf in p.prefills:
         q = query[pf.query_start:pf.query_end].transpose(0, 1)  # [heads, q_len, dim]
         if pf.slots is None:
@@ -103,7 +115,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             o = F.scaled_dot_product_attention(q, k_flat[pf.slots].transpose(0, 1), v_flat[pf.slots].transpose(0, 1),
                                                attn_mask=pf.mask, scale=scale, enable_gqa=gqa)
         out[pf.query_start:pf.query_end] = o.transpose(0, 1)
-    return out
 
 
 def _own_slots(meta: AttentionMetadata, pf: PrefillPlan) -> torch.Tensor:

@@ -58,6 +58,10 @@ def attention_backend(device: torch.device) -> AttentionBackend:
             return triton_paged.paged_attention(q, key_cache, value_cache, meta, scale)
 
         return AttentionBackend(lambda meta: None, attend_gpu, triton_paged.write_kv)
+    from pdserve.engine.attention import cpu_attention, cpu_kernels
+
+    if cpu_kernels.available():
+        return AttentionBackend(cpu_attention.plan, cpu_attention.paged_attention, torch_paged.write_kv)
     return AttentionBackend(torch_paged.plan, torch_paged.paged_attention, torch_paged.write_kv)
 
 

@@ -1,0 +1,92 @@
+"""The CPU attention paths against the token-by-token definition of paged attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.engine.attention import cpu_attention, cpu_kernels, torch_paged
+from pdserve.engine.attention.metadata import AttentionMetadata
+
+
+def make_case(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, seed: int):
+    """Random cache and a batch (decodes first) whose requests own shuffled, scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for q, c in zip(query_lens, context_lens)]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 5
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_needed)
+    tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
+    cursor = 0
+    for r, n in enumerate(blocks_needed):
+        tables[r, :n] = perm[cursor:cursor + n]
+        cursor += n
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    slots = []
+    for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(s - q, s):
+            slots.append(int(tables[r, pos // block_size]) * block_size + pos % block_size)
+    meta = AttentionMetadata(
+        num_reqs=len(seq_lens), num_decodes=sum(1 for q in query_lens if q == 1), num_tokens=num_tokens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_size=block_size,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.from_numpy(tables), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc_np=qsl, seq_lens_np=np.array(seq_lens, dtype=np.int32), block_tables_np=tables,
+    )
+    return query, key_cache, value_cache, meta
+
+
+CASES = [
+    # (query_lens, context_lens, heads, kv_heads, head_dim, block_size)
+    ([1, 1, 1, 1], [5, 16, 17, 40], 8, 2, 32, 16),
+    ([1, 1, 7, 20], [63, 1, 0, 9], 4, 4, 64, 8),
+    ([1, 1, 1, 5], [100, 3, 31, 12], 6, 3, 16, 32),
+    ([1] * 9, [0, 1, 2, 15, 16, 17, 33, 64, 129], 12, 4, 64, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", ["torch", "cpu_kernel"])
+def test_paged_attention_matches_definition_fp32(case, backend):
+    query_lens, context_lens, heads, kv_heads, dim, bs = case
+    query, kc, vc, meta = make_case(query_lens, context_lens, heads, kv_heads, dim, bs, torch.float32, seed=len(query_lens))
+    scale = dim ** -0.5
+    expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(), meta.seq_lens_np.tolist(),
+                                                 meta.block_tables, scale)
+    if backend == "torch":
+        meta.backend_plan = torch_paged.plan(meta)
+        got = torch_paged.paged_attention(query, kc, vc, meta, scale)
+    else:
+        assert cpu_kernels.available(), "the C++ CPU kernel failed to build on this machine"
+        meta.backend_plan = cpu_attention.plan(meta)
+        got = cpu_attention.paged_attention(query, kc, vc, meta, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_low_precision_close_to_fp32(dtype):
+    assert cpu_kernels.available()
+    query, kc, vc, meta = make_case([1] * 6, [7, 16, 30, 50, 1, 90], 8, 2, 64, 16, dtype, seed=3)
+    scale = 64 ** -0.5
+    expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(), meta.seq_lens_np.tolist(),
+                                                 meta.block_tables, scale)
+    meta.backend_plan = cpu_attention.plan(meta)
+    got = cpu_attention.paged_attention(query, kc, vc, meta, scale)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_places_tokens_at_their_slots():
+    kc = torch.zeros(4, 4, 2, 8)
+    vc = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    torch_paged.write_kv(key, value, kc, vc, torch.tensor([13, 2, 5]))
+    assert torch.equal(kc[3, 1], key[0]) and torch.equal(kc[0, 2], key[1]) and torch.equal(vc[1, 1], value[2])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 3
