@@ -32,20 +32,34 @@ import triton.language as tl
 
 from pdserve.engine.attention.metadata import AttentionMetadata
 
-# Tile shapes, untuned (no GPU was at hand when written); chosen from the usual H100/H200 limits.
-# tl.dot on tensor cores needs at least 16 rows, so a decode tile pads its single token's GQA group
-# up to 16 rows; decode is bound by K/V bandwidth, so it takes wide key tiles to keep loads in flight.
-DECODE_BLOCK_M = 16
-# Prefill tiles of 64 rows reuse each K/V tile across many queries without wasting much on the
-# short chunks a continuous batch is full of.
-PREFILL_BLOCK_M = 64
-# Keys per inner iteration; head_dim 256 halves it to keep the [rows, head_dim] accumulator plus
-# the K/V tiles within registers and shared memory.
-TILE_N = 64
-TILE_N_LARGE_HEAD = 32
-NUM_WARPS = 4
-NUM_WARPS_LARGE_HEAD = 8
-NUM_STAGES = 2
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query rows per program: BLOCK_Q tokens x the padded GQA group
+    tile_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+# Tile shapes per (dtype width, head_dim, decode or prefill). Not timed on a GPU yet: chosen by
+# compiling for sm_90 and reading the register, spill and shared-memory use ptxas reports
+# (`triton_cases.py --compile`), so that none spills and 16-bit tiles keep 2 programs per SM.
+# - tl.dot on tensor cores needs 16 rows, so a decode pads its one token's GQA group to 16 rows;
+#   decode is bound by K/V bandwidth and gets wide key tiles and 3 stages of loads in flight.
+# - prefill takes 64 rows (one Hopper warpgroup's MMA height): each K/V tile serves many queries,
+#   without wasting much on the short chunks a continuous batch is full of.
+# - head_dim 256 halves the key tile to stay within registers and shared memory.
+# - fp32 (exact "ieee" products, no tensor cores) needs far smaller tiles or it spills.
+_CONFIGS_16BIT = {
+    # (decode, large head): config
+    (True, False): LaunchConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3),
+    (True, True): LaunchConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2),
+    (False, False): LaunchConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3),
+    (False, True): LaunchConfig(block_m=64, tile_n=32, num_warps=8, num_stages=2),
+}
+_CONFIG_FP32_DECODE = LaunchConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2)
+_CONFIG_FP32_PREFILL = LaunchConfig(block_m=32, tile_n=16, num_warps=8, num_stages=2)
+WRITE_KV_NUM_WARPS = 4
 # Split decode keys only while the grid would leave SMs idle: aim for this many programs per SM,
 # never below this many keys per segment, and at most this many segments (power of two).
 DECODE_PROGRAMS_PER_SM = 2
@@ -53,7 +67,7 @@ MIN_KEYS_PER_SEGMENT = 256
 MAX_DECODE_SEGMENTS = 16
 # Finite start for the running max: a row whose first key tile is entirely masked must not compute
 # (-inf) - (-inf).
-_NEG_START = -1.0e30
+_NEG_START = tl.constexpr(-1.0e30)
 _LOG2E = 1.4426950408889634
 # Read as triton.jit does, when the kernels are defined.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -271,10 +285,27 @@ def decode_segments(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_s
     return 1 << (max(want, 1).bit_length() - 1)
 
 
-def _shape_config(head_dim_p: int) -> tuple[int, int]:
-    if head_dim_p > 128:
-        return TILE_N_LARGE_HEAD, NUM_WARPS_LARGE_HEAD
-    return TILE_N, NUM_WARPS
+def launch_config(head_dim_p: int, dtype: torch.dtype, decode: bool) -> LaunchConfig:
+    if dtype == torch.float32:
+        return _CONFIG_FP32_DECODE if decode else _CONFIG_FP32_PREFILL
+    return _CONFIGS_16BIT[(decode, head_dim_p > 128)]
+
+
+def kernel_constexprs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                      decode: bool, num_segments: int = 1) -> tuple[dict, LaunchConfig]:
+    """Compile-time arguments of `_paged_attention_kernel` for one launch, and its launch config."""
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    head_dim_p = max(triton.next_power_of_2(head_dim), 16)
+    cfg = launch_config(head_dim_p, dtype, decode)
+    return dict(
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size,
+        BLOCK_Q=max(1, cfg.block_m // group_p), TILE_N=cfg.tile_n, USE_TILE_MAP=not decode,
+        NUM_SEGMENTS=num_segments,
+        # fp32 inputs get exact fp32 products, as the reference has; 16-bit inputs ignore this.
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_UPCAST=_INTERPRETED and dtype == torch.bfloat16,
+    ), cfg
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -290,6 +321,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         raise ValueError(f"cache block size {key_cache.shape[1]} != metadata block size {meta.block_size}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("KV cache head_dim must be contiguous")
+    if meta.block_tables.stride(-1) != 1:
+        raise ValueError("block table rows must be contiguous")
     out = torch.empty_like(query) if out is None else out
     if out.stride(-1) != 1:
         raise ValueError("out head_dim must be contiguous")
@@ -298,22 +331,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if query.stride(-1) != 1:
         query = query.contiguous()
     p = _plan_of(meta)
-
-    group = num_heads // num_kv_heads
-    group_p = triton.next_power_of_2(group)
-    head_dim_p = max(triton.next_power_of_2(head_dim), 16)
-    tile_n, num_warps = _shape_config(head_dim_p)
-    # fp32 inputs get exact fp32 products, as the reference has; 16-bit inputs ignore this.
-    precision = "ieee" if key_cache.dtype == torch.float32 else "tf32"
-    common = dict(
+    shape = (num_heads, num_kv_heads, head_dim, meta.block_size, key_cache.dtype)
+    runtime = dict(
         scale_log2=scale * _LOG2E, num_heads=num_heads,
         stride_qt=query.stride(0), stride_qh=query.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_kb=key_cache.stride(0), stride_ks=key_cache.stride(1), stride_kh=key_cache.stride(2),
         stride_vb=value_cache.stride(0), stride_vs=value_cache.stride(1), stride_vh=value_cache.stride(2),
         stride_bt=meta.block_tables.stride(0),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=meta.block_size,
-        TILE_N=tile_n, DOT_PRECISION=precision, DOT_UPCAST=_INTERPRETED and key_cache.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=NUM_STAGES,
     )
     tensors = (out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
 
@@ -322,29 +346,31 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if num_segments is None:
             num_segments = 1 if query.device.type != "cuda" else decode_segments(
                 nd, num_kv_heads, p.max_decode_seq_len, _num_sms(query.device))
-        block_q = max(1, DECODE_BLOCK_M // group_p)
         if num_segments < 1 or num_segments & (num_segments - 1):
             raise ValueError(f"num_segments must be a power of two, got {num_segments}")
+        consts, cfg = kernel_constexprs(*shape, decode=True, num_segments=num_segments)
         if num_segments > 1:
-            part_acc = torch.empty((nd, num_heads, num_segments, head_dim_p), dtype=torch.float32, device=query.device)
+            part_acc = torch.empty((nd, num_heads, num_segments, consts["HEAD_DIM_P"]), dtype=torch.float32,
+                                   device=query.device)
             part_max = torch.empty((nd, num_heads, num_segments), dtype=torch.float32, device=query.device)
             part_sum = torch.empty_like(part_max)
         else:
             part_acc = part_max = part_sum = out
+        # The tile map argument is unused by decode launches; any pointer will do.
         _paged_attention_kernel[(nd, num_kv_heads, num_segments)](
-            *tensors, meta.query_start_loc, part_acc, part_max, part_sum, num_tiles=0,
-            BLOCK_Q=block_q, USE_TILE_MAP=False, NUM_SEGMENTS=num_segments, **common)
+            *tensors, meta.query_start_loc, part_acc, part_max, part_sum, num_tiles=0, **runtime, **consts,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if num_segments > 1:
             _merge_segments_kernel[(nd, num_heads)](
                 out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-                NUM_SEGMENTS=num_segments, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+                NUM_SEGMENTS=num_segments, HEAD_DIM=head_dim, HEAD_DIM_P=consts["HEAD_DIM_P"])
 
     if len(p.prefill_reqs):
-        block_q = max(1, PREFILL_BLOCK_M // group_p)
-        tile_map, num_tiles = p.tile_map(block_q)
+        consts, cfg = kernel_constexprs(*shape, decode=False)
+        tile_map, num_tiles = p.tile_map(consts["BLOCK_Q"])
         _paged_attention_kernel[(num_tiles, num_kv_heads, 1)](
-            *tensors, tile_map, out, out, out, num_tiles=num_tiles,
-            BLOCK_Q=block_q, USE_TILE_MAP=True, NUM_SEGMENTS=1, **common)
+            *tensors, tile_map, out, out, out, num_tiles=num_tiles, **runtime, **consts,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -367,8 +393,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         BLOCK_SIZE=key_cache.shape[1], HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        HEAD_DIM_P=triton.next_power_of_2(head_dim), num_warps=NUM_WARPS,
+        HEAD_DIM_P=triton.next_power_of_2(head_dim), num_warps=WRITE_KV_NUM_WARPS,
     )
 
 
-__all__ = ["TritonAttentionPlan", "decode_segments", "paged_attention", "plan", "write_kv"]
+__all__ = ["LaunchConfig", "TritonAttentionPlan", "decode_segments", "kernel_constexprs", "launch_config",
+           "paged_attention", "plan", "write_kv"]

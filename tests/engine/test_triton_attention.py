@@ -1,9 +1,12 @@
-"""The Triton paged-attention and KV-store kernels against the torch reference, on the CPU.
+"""The Triton paged-attention and KV-store kernels, checked without a GPU.
 
-The kernels run in the Triton interpreter, which must be switched on before triton is first
-imported; other tests in this process may already have imported it, so every case runs in one
-child process (`triton_cases.py`, next to this file) and each test here reports one case's result.
-On a GPU machine run that script by hand: see its docstring.
+Two child processes of `triton_cases.py` (next to this file) run side by side: one runs the
+kernels in the Triton interpreter on CPU tensors against the torch reference, the other compiles
+them with real Triton for sm_90, which catches what the interpreter lets through (globals a kernel
+may not read, types the compiler rejects, tiles over the shared-memory limit). Child processes,
+because TRITON_INTERPRET must be set or unset before triton is first imported, and other tests in
+this process may import it first. Each test here reports one case. On a GPU machine run the
+script by hand: see its docstring.
 """
 
 from __future__ import annotations
@@ -29,34 +32,62 @@ def _load_cases_module():
     return module
 
 
-CASE_NAMES = _load_cases_module().case_names(large=False)
+_cases = _load_cases_module()
+INTERPRETED_CASES = _cases.case_names(large=False)
+COMPILE_CASES = _cases.compile_case_names()
 
 
 @pytest.fixture(scope="module")
-def interpreted_results(tmp_path_factory) -> dict[str, dict]:
-    results_file = tmp_path_factory.mktemp("triton") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONSAFEPATH="1")
-    proc = subprocess.run([sys.executable, str(CASES_SCRIPT), "--device", "cpu", "--json", str(results_file)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    if not results_file.exists():
-        pytest.fail(f"{CASES_SCRIPT.name} exited {proc.returncode} without results:\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-4000:]}")
-    results = {r["name"]: r for r in json.loads(results_file.read_text())}
-    failed = [name for name, r in results.items() if not r["ok"]]
-    assert (proc.returncode != 0) == bool(failed), f"exit status {proc.returncode} but failed cases {failed}"
-    return results
+def results(tmp_path_factory) -> dict[str, dict]:
+    """Both runs' results by mode, then case name."""
+    folder = tmp_path_factory.mktemp("triton")
+    modes = {
+        "interpreted": (["--device", "cpu"], dict(os.environ, TRITON_INTERPRET="1", PYTHONSAFEPATH="1")),
+        "compiled": (["--compile"], {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+                                     "PYTHONSAFEPATH": "1"}),
+    }
+    procs = {}
+    for mode, (flags, env) in modes.items():
+        procs[mode] = subprocess.Popen([sys.executable, str(CASES_SCRIPT), *flags, "--json", str(folder / f"{mode}.json")],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    by_mode = {}
+    try:
+        for mode, proc in procs.items():
+            output, _ = proc.communicate(timeout=300)
+            path = folder / f"{mode}.json"
+            if not path.exists():
+                pytest.fail(f"{CASES_SCRIPT.name} ({mode}) exited {proc.returncode} without results:\n"
+                            f"{output[-6000:]}")
+            by_mode[mode] = {r["name"]: r for r in json.loads(path.read_text())}
+            failed = [name for name, r in by_mode[mode].items() if not r["ok"]]
+            assert (proc.returncode != 0) == bool(failed), f"{mode}: exit status {proc.returncode}, failed {failed}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return by_mode
 
 
-@pytest.mark.parametrize("name", CASE_NAMES)
-def test_case(interpreted_results, name):
-    assert name in interpreted_results, f"case {name} produced no result"
-    result = interpreted_results[name]
+def _check(results: dict[str, dict], name: str) -> None:
+    assert name in results, f"case {name} produced no result"
+    result = results[name]
     assert result["ok"], f"{name}: {result.get('message', result)}"
+
+
+@pytest.mark.parametrize("name", INTERPRETED_CASES)
+def test_interpreted(results, name):
+    _check(results["interpreted"], name)
+
+
+@pytest.mark.parametrize("name", COMPILE_CASES)
+def test_compiles_for_sm90(results, name):
+    _check(results["compiled"], name)
 
 
 def test_cases_cover_the_brief():
     """The interpreted cases span the shapes the kernel must handle."""
-    cases = _load_cases_module()
+    cases = _cases
     small = [c for c in cases.ATTENTION_CASES if not c.large]
     assert {c.block_size for c in small} >= {8, 16, 32}
     assert {c.dtype for c in small} == {"float32", "float16", "bfloat16"}

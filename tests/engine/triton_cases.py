@@ -1,8 +1,14 @@
 """The Triton paged-attention kernels checked against the torch reference, case by case.
 
-Runs as its own process because TRITON_INTERPRET must be set before triton is first imported:
-`test_triton_attention.py` runs it on the CPU through the Triton interpreter. On a GPU machine run
-it by hand, with compiled kernels and, with --large, serving-sized shapes as well:
+Runs as its own process because TRITON_INTERPRET must be set (or unset) before triton is first
+imported. Three modes:
+
+    --device cpu    the kernels run in the Triton interpreter on CPU tensors (CI)
+    --compile       no GPU needed: compile the kernels with real Triton for sm_90 (H100/H200), as
+                    the JIT would for the launches paged_attention makes, and check each fits the
+                    shared-memory limit; reports registers and spills (CI)
+    --device cuda   on a GPU machine, by hand: compiled kernels vs the reference, with --large
+                    serving-sized shapes as well:
 
     PYTHONSAFEPATH=1 .venv/bin/python tests/engine/triton_cases.py --device cuda --large
 
@@ -106,9 +112,41 @@ WRITE_KV_CASES = [
 OTHER_CASES = ["plan_is_shared_not_clobbered", "decode_segment_heuristic"]
 
 
+@dataclass(frozen=True)
+class CompileCase:
+    name: str
+    kernel: str  # decode | prefill | merge | write_kv
+    dtype: str = "bfloat16"
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    num_segments: int = 1
+
+
+COMPILE_CASES = [
+    CompileCase("sm90_decode_bf16_d128_gqa4", "decode"),
+    CompileCase("sm90_decode_segments_fp16_d64_mha", "decode", "float16", 16, 16, 64, num_segments=8),
+    CompileCase("sm90_prefill_bf16_d128_gqa4", "prefill"),
+    CompileCase("sm90_prefill_fp16_d80_gqa3", "prefill", "float16", 12, 4, 80),
+    CompileCase("sm90_prefill_fp32_d64_mha", "prefill", "float32", 8, 8, 64),
+    CompileCase("sm90_merge_segments_d128", "merge", num_segments=16),
+    CompileCase("sm90_write_kv_bf16_d128", "write_kv"),
+    CompileCase("sm90_decode_bf16_d256", "decode", num_heads=8, num_kv_heads=1, head_dim=256),
+    CompileCase("sm90_prefill_bf16_d256", "prefill", num_heads=8, num_kv_heads=1, head_dim=256),
+    CompileCase("sm90_decode_fp32_d128", "decode", "float32"),
+    CompileCase("sm90_prefill_fp32_d128", "prefill", "float32"),
+    CompileCase("sm90_prefill_fp16_d64_group16", "prefill", "float16", 64, 4, 64, block_size=32),
+]
+
+
 def case_names(large: bool = False) -> list[str]:
     return ([c.name for c in ATTENTION_CASES + WRITE_KV_CASES if large or not c.large]  # type: ignore[operator]
             + OTHER_CASES)
+
+
+def compile_case_names() -> list[str]:
+    return [c.name for c in COMPILE_CASES]
 
 
 # -- building a step ------------------------------------------------------------------------------
@@ -318,6 +356,108 @@ def check_segment_heuristic(device: str) -> dict:
     return {"ok": not wrong, **({"message": f"(args, expected, got): {wrong}"} if wrong else {})}
 
 
+# H100/H200 allow 227 KiB of shared memory per block (opt-in maximum).
+SM90_MAX_SHARED = 227 * 1024
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                  "tile_map_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+
+
+def compile_sm90(fn, constexprs: dict, dtype: str, num_warps: int, num_stages: int):
+    """Compile a @triton.jit kernel for sm_90 as the JIT would: torch's allocations are 16-byte
+    aligned and the strides passed here multiples of 16, which the JIT specialises on."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            elem = INDEX_POINTERS.get(name, "*fp32" if name.startswith("part_") else "*" + TRITON_TYPES[dtype])
+            signature[name] = elem
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            # The block table's row stride is its width, which varies; the rest are head_dim multiples.
+            if name.startswith("stride_") and name != "stride_bt":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resource_usage(kernel) -> dict:
+    """Registers and spill stack of a compiled kernel, from the cuobjdump bundled with Triton."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        tool = shutil.which("cuobjdump") or ""
+    if not tool or "cubin" not in kernel.asm:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    usage = {}
+    for key, field in (("registers", "REG:"), ("spill_stack_bytes", "STACK:")):
+        if field in text:
+            usage[key] = int(text.split(field)[1].split()[0])
+    return usage
+
+
+def check_compile(case: CompileCase) -> dict:
+    from pdserve.engine.attention import triton_paged
+
+    dtype = DTYPES[case.dtype]
+    if case.kernel in ("decode", "prefill"):
+        consts, cfg = triton_paged.kernel_constexprs(case.num_heads, case.num_kv_heads, case.head_dim,
+                                                     case.block_size, dtype, decode=case.kernel == "decode",
+                                                     num_segments=case.num_segments)
+        kernel = compile_sm90(triton_paged._paged_attention_kernel, consts, case.dtype, cfg.num_warps, cfg.num_stages)
+        result = {"config": f"BLOCK_M={cfg.block_m} TILE_N={cfg.tile_n} warps={cfg.num_warps} "
+                            f"stages={cfg.num_stages}"}
+    elif case.kernel == "merge":
+        consts = dict(NUM_SEGMENTS=case.num_segments, HEAD_DIM=case.head_dim, HEAD_DIM_P=case.head_dim)
+        kernel = compile_sm90(triton_paged._merge_segments_kernel, consts, case.dtype, 4, 1)
+        result = {}
+    else:
+        consts = dict(BLOCK_SIZE=case.block_size, HEADS_P=case.num_kv_heads, HEAD_DIM=case.head_dim,
+                      HEAD_DIM_P=case.head_dim)
+        kernel = compile_sm90(triton_paged._write_kv_kernel, consts, case.dtype, triton_paged.WRITE_KV_NUM_WARPS, 1)
+        result = {}
+    shared = kernel.metadata.shared
+    result.update(resource_usage(kernel), shared_bytes=shared, ok=shared <= SM90_MAX_SHARED)
+    if not result["ok"]:
+        result["message"] = f"needs {shared} bytes of shared memory, more than sm_90's {SM90_MAX_SHARED}"
+    return result
+
+
+def run_compile(only: set[str] | None) -> list[dict]:
+    results = []
+    for case in COMPILE_CASES:
+        if only and case.name not in only:
+            continue
+        try:
+            result = check_compile(case)
+        except Exception:
+            result = {"ok": False, "message": traceback.format_exc()}
+        result["name"] = case.name
+        results.append(result)
+        info = " ".join(f"{k}={v}" for k, v in result.items() if k not in ("ok", "name", "message"))
+        print(f"{'ok  ' if result['ok'] else 'FAIL'} {case.name} {info} {result.get('message', '')}", flush=True)
+    return results
+
+
 def run(device: str, large: bool, only: set[str] | None) -> list[dict]:
     checks = []
     for case in ATTENTION_CASES:
@@ -345,18 +485,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cpu runs the kernels in the Triton interpreter")
+    parser.add_argument("--compile", action="store_true", help="compile for sm_90 instead of running (no GPU)")
     parser.add_argument("--large", action="store_true", help="also run serving-sized cases (GPU)")
     parser.add_argument("--only", nargs="*", help="case names to run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    if args.device == "cpu":
+    only = set(args.only) if args.only else None
+    if args.compile:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+            raise SystemExit("triton was imported in interpreter mode; --compile needs the real compiler")
+        os.environ.pop("TRITON_INTERPRET", None)
+        results = run_compile(only)
+    elif args.device == "cpu":
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("triton was imported before TRITON_INTERPRET=1 could be set")
         os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a GPU")
-    torch.manual_seed(0)
-    results = run(args.device, args.large, set(args.only) if args.only else None)
+        results = run(args.device, args.large, only)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs a GPU")
+        results = run(args.device, args.large, only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
