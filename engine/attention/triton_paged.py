@@ -42,8 +42,8 @@ class LaunchConfig:
 
 
 # Tile shapes per (dtype width, head_dim, decode or prefill). Not timed on a GPU yet: chosen by
-# compiling for sm_90 and reading the register, spill and shared-memory use ptxas reports
-# (`triton_cases.py --compile`), so that none spills and 16-bit tiles keep 2 programs per SM.
+# compiling for sm_90 and reading the compiled kernels' register, spill and shared-memory use
+# (`tests/engine/triton_cases.py --compile`), so that none spills and 16-bit tiles keep 2 programs per SM.
 # - tl.dot on tensor cores needs 16 rows, so a decode pads its one token's GQA group to 16 rows;
 #   decode is bound by K/V bandwidth and gets wide key tiles and 3 stages of loads in flight.
 # - prefill takes 64 rows (one Hopper warpgroup's MMA height): each K/V tile serves many queries,
@@ -146,7 +146,9 @@ def _paged_attention_kernel(
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         in_block = pos % BLOCK_SIZE
         k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
-        k = tl.load(key_cache_ptr + k_off[None, :] + d[:, None], mask=pos_valid[None, :] & d_valid[:, None], other=0.0)
+        # K as [head_dim, keys], ready to be the right operand of Q @ K^T.
+        k = tl.load(key_cache_ptr + k_off[None, :] + d[:, None], mask=pos_valid[None, :] & d_valid[:, None],
+                    other=0.0)
         s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -155,7 +157,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=pos_valid[:, None] & d_valid[None, :], other=0.0)
+        v = tl.load(value_cache_ptr + v_off[:, None] + d[None, :], mask=pos_valid[:, None] & d_valid[None, :],
+                    other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 

@@ -48,8 +48,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
     }
     procs = {}
     for mode, (flags, env) in modes.items():
-        procs[mode] = subprocess.Popen([sys.executable, str(CASES_SCRIPT), *flags, "--json", str(folder / f"{mode}.json")],
-                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = [sys.executable, str(CASES_SCRIPT), *flags, "--json", str(folder / f"{mode}.json")]
+        procs[mode] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     by_mode = {}
     try:
         for mode, proc in procs.items():

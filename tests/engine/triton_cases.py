@@ -10,7 +10,9 @@ imported. Three modes:
     --device cuda   on a GPU machine, by hand: compiled kernels vs the reference, with --large
                     serving-sized shapes as well:
 
-    PYTHONSAFEPATH=1 .venv/bin/python tests/engine/triton_cases.py --device cuda --large
+    PYTHONSAFEPATH=1 .venv/bin/python tests/engine/triton_cases.py --device cuda --large [--bench]
+
+(--bench adds milliseconds per call of the kernel and of the torch path on the same inputs.)
 
 It prints one line per case and exits 1 if any case fails; --json PATH also writes the results.
 Importing this module only defines the cases (no triton), so pytest can list them.
@@ -286,7 +288,39 @@ def check_attention(case: AttentionCase, device: str) -> dict:
     result["ok"] = max(errs) <= tol
     if not result["ok"]:
         result["message"] = f"max abs error {max(errs):.3g} > {tol:g} ({case})"
+    if BENCH and device == "cuda":
+        result.update(bench_attention(step, case))
     return result
+
+
+def bench_attention(step: Step, case: AttentionCase, iters: int = 50) -> dict:
+    """Milliseconds per call of the Triton kernel and of the torch path on the same GPU inputs."""
+    from pdserve.engine.attention import triton_paged
+
+    def triton_call() -> None:
+        triton_paged.paged_attention(step.query, step.key_cache, step.value_cache, step.meta, step.scale,
+                                     num_segments=case.num_segments)
+
+    torch_meta = cpu_meta(step.meta)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(torch_meta, name, getattr(step.meta, name))
+    torch_meta.backend_plan = torch_paged.plan(torch_meta)
+
+    def torch_call() -> None:
+        torch_paged.paged_attention(step.query, step.key_cache, step.value_cache, torch_meta, step.scale)
+
+    times = {}
+    for name, fn in (("triton_ms", triton_call), ("torch_ms", torch_call)):
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = round(start.elapsed_time(end) / iters, 4)
+    return times
 
 
 def check_write_kv(case: WriteKVCase, device: str) -> dict:
@@ -458,6 +492,9 @@ def run_compile(only: set[str] | None) -> list[dict]:
     return results
 
 
+BENCH = False  # set by --bench
+
+
 def run(device: str, large: bool, only: set[str] | None) -> list[dict]:
     checks = []
     for case in ATTENTION_CASES:
@@ -477,6 +514,7 @@ def run(device: str, large: bool, only: set[str] | None) -> list[dict]:
         result["name"] = name
         results.append(result)
         errs = " ".join(f"{k}={v:.2e}" for k, v in result.items() if k.startswith("err_"))
+        errs += "".join(f" {k}={result[k]}" for k in ("triton_ms", "torch_ms") if k in result)
         print(f"{'ok  ' if result['ok'] else 'FAIL'} {name} {errs} {result.get('message', '')}", flush=True)
     return results
 
@@ -487,10 +525,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu runs the kernels in the Triton interpreter")
     parser.add_argument("--compile", action="store_true", help="compile for sm_90 instead of running (no GPU)")
     parser.add_argument("--large", action="store_true", help="also run serving-sized cases (GPU)")
+    parser.add_argument("--bench", action="store_true", help="with --device cuda: also time the kernel vs torch")
     parser.add_argument("--only", nargs="*", help="case names to run")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     only = set(args.only) if args.only else None
+    global BENCH
+    BENCH = args.bench
     if args.compile:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
             raise SystemExit("triton was imported in interpreter mode; --compile needs the real compiler")
