@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from pdserve.operator import crd
 from pdserve.operator.apply import Client, Outcome, apply, plan
+from pdserve.operator.kube import ApiError
 from pdserve.operator.names import ROLES, Names
 from pdserve.operator.render import optional_objects, render_service
 from pdserve.operator.spec import InferenceService, InvalidSpec, parse
@@ -63,8 +64,13 @@ def live_deployments(client: Client, namespace: str, name: str, uid: str | None)
 
 def _write_status(client: Client, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
     meta = obj["metadata"]
-    client.patch(crd.API_VERSION, crd.KIND, meta.get("namespace"), meta["name"], {"status": dict(patch)},
-                 subresource="status")
+    try:
+        client.patch(crd.API_VERSION, crd.KIND, meta.get("namespace"), meta["name"], {"status": dict(patch)},
+                     subresource="status")
+    except ApiError as error:
+        if error.status != 404:
+            raise
+        log.info("%s/%s was deleted before its status could be written", meta.get("namespace"), meta["name"])
 
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: str | None = None) -> Result | None:
