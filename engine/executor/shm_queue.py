@@ -13,6 +13,9 @@ cache line)::
     metadata  per chunk: [written flag][read flag of reader 0] ... [read flag of reader N-1]
     data      per chunk: [kind u8, 7 pad][payload length u64][payload: max_chunk_bytes]
 
+A raw payload is the bytes; a pickled one is [buffer count u32, 4 pad][stream length u64][pickle
+stream][buffer lengths u64 ...][out-of-band buffers ...].
+
 Protocol, for chunk c (the writer and each reader walk the ring in the same order):
 
 * the writer may (re)fill c when ``written == 0`` (never used) or every read flag is 1. It then
@@ -89,16 +92,15 @@ _CONTROL = struct.Struct("<IHHIIQ")  # magic, version, n_readers, max_chunks, pa
 _CLOSED_OFF = 24
 _ATTACHED_OFF = 32
 _HDR = struct.Struct("<B7xQ")  # kind, payload length
-_OOB_COUNT = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
+_PICKLE_PREFIX = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
 _U64 = struct.Struct("<Q")
 
 # Message kinds, stored in the chunk header.
 _RAW = 1  # bytes in the chunk
-_PICKLE = 2  # a pickle stream in the chunk
-_PICKLE_OOB = 3  # _OOB_COUNT, n buffer lengths, the pickle stream, the buffers
+_PICKLE = 2  # _PICKLE_PREFIX, the pickle stream, n out-of-band buffer lengths (u64), the buffers
 _REMOTE_RAW = 4  # the bytes are the next message on the socket
 _REMOTE_PICKLE = 5  # the next socket message is [pickle stream, *out-of-band buffers]
-_PICKLED_KINDS = (_PICKLE, _PICKLE_OOB, _REMOTE_PICKLE)
+_PICKLED_KINDS = (_PICKLE, _REMOTE_PICKLE)
 
 _READY = b"pdserve-shm-queue-ready"
 _SOCKET_LINGER_MS = 1000  # let queued large messages reach live readers when the writer closes
@@ -161,8 +163,8 @@ class _Layout:
             raise ValueError("n_readers must be at least 1")
         if max_chunks < 1:
             raise ValueError("max_chunks must be at least 1")
-        if max_chunk_bytes < _OOB_COUNT.size:
-            raise ValueError(f"max_chunk_bytes must be at least {_OOB_COUNT.size}")
+        if max_chunk_bytes < _PICKLE_PREFIX.size:
+            raise ValueError(f"max_chunk_bytes must be at least {_PICKLE_PREFIX.size}")
         control = _align(_ATTACHED_OFF + n_readers)
         meta_stride = _align(1 + n_readers)
         data_start = _align(control + meta_stride * max_chunks, 4096)
@@ -244,6 +246,39 @@ class _Resources:
             self.ipc_path = None
 
 
+class _ChunkSink:
+    """The file a queue's pickler writes to: the claimed chunk, or, once the message outgrows
+    the chunk, a list of pieces bound for the socket."""
+
+    __slots__ = ("buf", "start", "pos", "end", "spill")
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.start = self.pos = self.end = 0
+        self.spill: list[bytes] | None = None
+
+    def reset(self, start: int, end: int) -> None:
+        self.start = self.pos = start
+        self.end = end
+        self.spill = None
+
+    def write(self, data: Any) -> int:
+        if type(data) is bytes:
+            n = len(data)
+        else:
+            data = _flat(data)
+            n = data.nbytes
+        if self.spill is None:
+            pos = self.pos
+            if pos + n <= self.end:
+                self.buf[pos:pos + n] = data
+                self.pos = pos + n
+                return n
+            self.spill = [bytes(self.buf[self.start:pos])]
+        self.spill.append(data if type(data) is bytes else bytes(data))
+        return n
+
+
 def _flat(data: Any) -> memoryview:
     view = data if isinstance(data, memoryview) else memoryview(data)
     if view.format != "B" or view.ndim != 1:
@@ -272,6 +307,12 @@ class ShmMessageQueue:
         self._subscribed = 0  # writer: subscriptions seen on the XPUB socket
         self._ones = b"\x01" * handle.n_readers
         self._zeros = bytes(handle.n_readers)
+        # One pickler per queue, reused (memo cleared per message): building one costs more than
+        # pickling a small message.
+        self._oob: list[pickle.PickleBuffer] = []
+        self._sink = _ChunkSink(self._buf)
+        self._pickler = pickle.Pickler(self._sink, protocol=5, buffer_callback=self._oob.append)
+        self._inband_pickler: pickle.Pickler | None = None
         self._finalizer = weakref.finalize(self, resources.release)
 
     # ------------------------------------------------------------------ construction
@@ -367,36 +408,79 @@ class ShmMessageQueue:
     # ------------------------------------------------------------------ writer
 
     def enqueue(self, obj: Any, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> None:
-        """Pickle `obj` (protocol 5; out-of-band buffers are copied straight into the chunk) and send it."""
-        buffers: list[pickle.PickleBuffer] = []
-        stream = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-        if not buffers:
-            self._send(_PICKLE, [stream], len(stream), timeout, cancel)
-            return
+        """Pickle `obj` (protocol 5) and send it.
+
+        The pickler writes straight into the claimed chunk, and out-of-band buffers (numpy arrays
+        and the like) are copied in after the stream: no intermediate bytes object, which for a
+        large message costs more than the copy itself. A message that outgrows the chunk is
+        collected as it is written and goes over the socket instead.
+        """
+        data = self._claim(timeout, cancel)
+        start = data + _HDR.size
+        body = start + _PICKLE_PREFIX.size
+        end = start + self._handle.max_chunk_bytes
+        sink, oob = self._sink, self._oob
         try:
-            raws = [b.raw() for b in buffers]
-        except BufferError:  # a non-contiguous buffer: keep it in the stream
-            stream = pickle.dumps(obj, protocol=5)
-            self._send(_PICKLE, [stream], len(stream), timeout, cancel)
-            return
-        framing = _OOB_COUNT.pack(len(raws), len(stream)) + b"".join(_U64.pack(r.nbytes) for r in raws)
-        total = len(framing) + len(stream) + sum(r.nbytes for r in raws)
-        self._send(_PICKLE_OOB, [framing, stream, *raws], total, timeout, cancel)
+            sink.reset(body, end)
+            self._pickler.clear_memo()
+            self._pickler.dump(obj)
+            try:
+                raws = [b.raw() for b in oob]
+            except BufferError:  # a non-contiguous out-of-band buffer: keep everything in-band
+                raws = []
+                sink.reset(body, end)
+                if self._inband_pickler is None:
+                    self._inband_pickler = pickle.Pickler(sink, protocol=5)
+                self._inband_pickler.clear_memo()
+                self._inband_pickler.dump(obj)
+        finally:
+            oob.clear()  # the raw views keep what they need alive; drop the caller's objects
+        buf = self._buf
+        if sink.spill is None:
+            pos = sink.pos
+            tail = pos + 8 * len(raws) + sum(r.nbytes for r in raws)
+            if tail <= end:
+                _PICKLE_PREFIX.pack_into(buf, start, len(raws), pos - body)
+                for r in raws:
+                    _U64.pack_into(buf, pos, r.nbytes)
+                    pos += 8
+                for r in raws:
+                    buf[pos:pos + r.nbytes] = r
+                    pos += r.nbytes
+                self._publish(_PICKLE, pos - start)
+                return
+            stream = bytes(buf[body:pos])
+        else:
+            stream = b"".join(sink.spill)
+            sink.spill = None
+        # The stream is ours and immutable: sent without a copy. The out-of-band buffers belong
+        # to the caller, who may change them as soon as we return: copied.
+        self._send_remote([stream, *raws], [False] + [True] * len(raws))
+        self._publish(_REMOTE_PICKLE, len(stream) + sum(r.nbytes for r in raws))
 
     def enqueue_bytes(self, data: bytes | bytearray | memoryview, timeout: float | None = None,
                       cancel: Callable[[], bool] | None = None) -> None:
         """Send bytes as they are (for callers that already hold msgpack); readers get bytes back."""
-        view = _flat(data)
-        self._send(_RAW, [view], view.nbytes, timeout, cancel)
+        immutable = type(data) is bytes
+        view = data if immutable else _flat(data)
+        n = len(view) if immutable else view.nbytes
+        start = self._claim(timeout, cancel) + _HDR.size
+        if n <= self._handle.max_chunk_bytes:
+            self._buf[start:start + n] = view
+            self._publish(_RAW, n)
+        else:
+            self._send_remote([view], [not immutable])
+            self._publish(_REMOTE_RAW, n)
 
-    def _send(self, kind: int, parts: list, total: int, timeout: float | None,
-              cancel: Callable[[], bool] | None) -> None:
+    def _claim(self, timeout: float | None, cancel: Callable[[], bool] | None) -> int:
+        """Wait until the next chunk is free, take it from the readers, return its data offset.
+
+        Whatever happens between this and _publish (a pickling error, a timeout on the ready
+        handshake) leaves the chunk unpublished with written == 0: free for the next attempt.
+        """
         if self._rank is not None:
             raise RuntimeError("a reader cannot enqueue")
         self._check_open()
-        remote = total > self._handle.max_chunk_bytes
-        if remote and not self._ready:
-            self.wait_until_ready()
         buf = self._buf
         c = self._pos
         written = self._layout.written[c]
@@ -413,30 +497,24 @@ class ShmMessageQueue:
         buf[written] = 0
         _fence()  # readers must see written == 0 before they see their read flag cleared
         buf[read0:read1] = self._zeros
-        data = self._layout.data[c]
-        if remote:
-            # Sent before the marker is published, so a reader that sees the marker finds the
-            # message on its way. The pickle stream is ours and immutable: no copy. Caller buffers
-            # (raw bytes, out-of-band arrays) are copied so that the caller may reuse them at once.
-            if kind == _RAW:
-                self._sock.send(parts[0], copy=not isinstance(parts[0].obj, bytes))
-                _HDR.pack_into(buf, data, _REMOTE_RAW, total)
-            else:
-                frames = parts[1:] if kind == _PICKLE_OOB else parts
-                last = len(frames) - 1
-                for i, frame in enumerate(frames):
-                    self._sock.send(frame, zmq.SNDMORE if i < last else 0, copy=i > 0)
-                _HDR.pack_into(buf, data, _REMOTE_PICKLE, total)
-        else:
-            _HDR.pack_into(buf, data, kind, total)
-            offset = data + _HDR.size
-            for part in parts:
-                n = len(part) if isinstance(part, bytes) else part.nbytes
-                buf[offset:offset + n] = part
-                offset += n
+        return self._layout.data[c]
+
+    def _publish(self, kind: int, length: int) -> None:
+        c = self._pos
+        _HDR.pack_into(self._buf, self._layout.data[c], kind, length)
         _fence()  # the payload is visible before the flag that publishes it
-        buf[written] = 1
+        self._buf[self._layout.written[c]] = 1
         self._pos = c + 1 if c + 1 < self._handle.max_chunks else 0
+
+    def _send_remote(self, frames: list, copies: list[bool]) -> None:
+        # Sent before the marker is published, so a reader that sees the marker finds the
+        # message already on its way.
+        if not self._ready:
+            self.wait_until_ready()
+        sock = self._sock
+        last = len(frames) - 1
+        for i, (frame, copy) in enumerate(zip(frames, copies)):
+            sock.send(frame, zmq.SNDMORE if i < last else 0, copy=copy)
 
     # ------------------------------------------------------------------ reader
 
@@ -495,20 +573,23 @@ class ShmMessageQueue:
             if kind == _RAW:
                 return bytes(buf[start:start + length])
             if kind == _PICKLE:
-                return pickle.loads(buf[start:start + length])
-            if kind == _PICKLE_OOB:
-                count, stream_len = _OOB_COUNT.unpack_from(buf, start)
-                pos = start + _OOB_COUNT.size
-                lengths = [_U64.unpack_from(buf, pos + 8 * i)[0] for i in range(count)]
-                pos += 8 * count
+                count, stream_len = _PICKLE_PREFIX.unpack_from(buf, start)
+                pos = start + _PICKLE_PREFIX.size
                 stream = buf[pos:pos + stream_len]
-                pos += stream_len
-                # Copied out (bytearray, so arrays come back writable): the chunk gets reused.
-                buffers = []
-                for n in lengths:
-                    buffers.append(bytearray(buf[pos:pos + n]))
-                    pos += n
-                return pickle.loads(stream, buffers=buffers)
+                try:
+                    if not count:
+                        return pickle.loads(stream)
+                    pos += stream_len
+                    lengths = struct.unpack_from(f"<{count}Q", buf, pos)
+                    pos += 8 * count
+                    # Copied out (bytearray, so arrays come back writable): the chunk gets reused.
+                    buffers = []
+                    for n in lengths:
+                        buffers.append(bytearray(buf[pos:pos + n]))
+                        pos += n
+                    return pickle.loads(stream, buffers=buffers)
+                finally:
+                    stream.release()
             raise RuntimeError(f"corrupt queue: unknown message kind {kind} in chunk {c}")
         finally:
             # Consumed even if unpickling failed: a message that cannot be read must not wedge the queue.
@@ -542,7 +623,7 @@ class ShmMessageQueue:
         if self._closed:
             return
         self._closed = True
-        self._buf = None  # type: ignore[assignment]
+        self._buf = self._sink.buf = None  # type: ignore[assignment]
         self._sock = None  # type: ignore[assignment]
         self._finalizer()
 

@@ -490,6 +490,22 @@ def test_a_message_that_fails_to_unpickle_does_not_wedge_the_queue(queue_factory
     assert reader.dequeue(timeout=5) == "next"
 
 
+def test_a_message_that_fails_to_pickle_leaves_the_queue_usable(queue_factory):
+    writer, (reader,) = queue_factory(1, max_chunk_bytes=1024, max_chunks=2)
+    strided = memoryview(bytearray(range(100)))[::2]
+    for _ in range(3):  # more failures than chunks: a failed enqueue must not use one up
+        with pytest.raises(Exception):
+            writer.enqueue(lambda: 0, timeout=1)
+        with pytest.raises(Exception):
+            writer.enqueue(["x" * 3000, pickle.PickleBuffer(strided)], timeout=1)  # fails after spilling
+    writer.enqueue("ok", timeout=1)
+    writer.enqueue(pickle.PickleBuffer(bytearray(b"out of band")), timeout=1)
+    assert reader.dequeue(timeout=5) == "ok"
+    assert reader.dequeue(timeout=5) == bytearray(b"out of band")
+    with pytest.raises(TimeoutError):
+        reader.dequeue(timeout=0)
+
+
 def test_handle_is_picklable_and_msgpack_encodable(queue_factory):
     writer, _ = queue_factory(1, max_chunk_bytes=1024, max_chunks=2)
     h = writer.handle()
