@@ -8,16 +8,29 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_cache_utils import make_block_hasher
+from pdserve.engine.core.sched_output import StepTiming
 from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.executor.abstract import Executor, executor_class_for
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.request import Request, RequestStatus
 
 log = logging.getLogger("pdserve.engine.core")
+
+
+@dataclass
+class StepRecord:
+    """perf_counter stamps of one step: start → scheduled → executed → updated."""
+
+    start: float
+    scheduled: float
+    executed: float
+    updated: float
+    timing: StepTiming | None
 
 
 class EngineCore:
@@ -30,6 +43,8 @@ class EngineCore:
         config.num_kv_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks)
         self.block_hasher = make_block_hasher(config.cache.block_size) if config.cache.enable_prefix_caching else None
+        # Per-step timings, kept only when a benchmark asks (record_steps()).
+        self.step_records: list[StepRecord] | None = None
         log.info("engine core ready: %d KV blocks of %d tokens, %.1fs", num_blocks, config.cache.block_size,
                  time.perf_counter() - start)
 
@@ -43,6 +58,13 @@ class EngineCore:
                              f"length is {mc.max_model_len} tokens, and at least one must be left to generate")
         if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= mc.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {mc.vocab_size})")
+        # A request that outgrows the whole pool would preempt itself forever: refuse it up front.
+        max_tokens = req.sampling_params.max_tokens or mc.max_model_len
+        needed = min(len(req.prompt_token_ids) + max_tokens, mc.max_model_len)
+        capacity = self.scheduler.kv_cache_manager.num_blocks * self.config.cache.block_size
+        if needed > capacity:
+            raise ValueError(f"the request may need {needed} tokens of KV cache, but the cache holds {capacity}; "
+                             f"lower max_tokens or give the engine more KV blocks")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate_request(req)
@@ -55,13 +77,21 @@ class EngineCore:
         """Run one step. Returns the outputs and whether the model ran."""
         if not self.scheduler.has_unfinished_requests:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+        start = time.perf_counter()
         sched_output = self.scheduler.schedule()
         if sched_output.total_num_scheduled_tokens == 0:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+        scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(sched_output)
+        executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(sched_output, runner_output)
+        if self.step_records is not None:
+            self.step_records.append(StepRecord(start, scheduled, executed, time.perf_counter(), runner_output.timing))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.time()), True
+
+    def record_steps(self, enable: bool = True) -> None:
+        self.step_records = [] if enable else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests

@@ -43,6 +43,19 @@ class SchedulerOutput:
 
 
 @dataclass
+class StepTiming:
+    """Where one step's time went on the worker (seconds), and what the step held."""
+
+    prepare_s: float = 0.0  # building the flat batch and attention metadata
+    forward_s: float = 0.0  # the model forward, logits included
+    sample_s: float = 0.0  # sampling and recording the tokens
+    num_reqs: int = 0
+    num_tokens: int = 0
+    num_decodes: int = 0
+    decode_context_tokens: int = 0  # sum of context lengths of the decode requests
+
+
+@dataclass
 class ModelRunnerOutput:
     """Sampled tokens for the requests that reached the end of their known tokens this step.
 
@@ -52,3 +65,4 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # Per request: (token_ids rows, logprobs rows, ranks), one row per sampled token.
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    timing: StepTiming | None = None

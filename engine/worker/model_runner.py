@@ -8,6 +8,7 @@ attention backends batch them together.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,7 +19,7 @@ from pdserve.engine.attention import torch_paged
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_cache_manager import cdiv
-from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, StepTiming
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
@@ -57,7 +58,7 @@ def attention_backend(device: torch.device) -> AttentionBackend:
         def attend_gpu(q, key_cache, value_cache, meta, scale, key=None, value=None):
             return triton_paged.paged_attention(q, key_cache, value_cache, meta, scale)
 
-        return AttentionBackend(lambda meta: None, attend_gpu, triton_paged.write_kv)
+        return AttentionBackend(triton_paged.plan, attend_gpu, triton_paged.write_kv)
     from pdserve.engine.attention import cpu_attention, cpu_kernels
 
     if cpu_kernels.available():
@@ -119,6 +120,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        step_start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput({})
@@ -164,15 +166,30 @@ class ModelRunner:
             query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=block_tables_np,
         )
         meta.backend_plan = self.backend.plan(meta)
+        timing = StepTiming(num_reqs=num_reqs, num_tokens=num_tokens, num_decodes=num_decodes,
+                            decode_context_tokens=int(seq_lens[:num_decodes].sum()))
+        prepared = time.perf_counter()
+        timing.prepare_s = prepared - step_start
         hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),  # type: ignore[misc]
                             self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
         if not sampling_rows:
-            return ModelRunnerOutput({})
+            timing.forward_s = self._synchronized_time() - prepared
+            return ModelRunnerOutput({}, timing=timing)
         last_token = torch.from_numpy(cu[1:][sampling_rows] - 1).to(dev)
         logits = self.model.compute_logits(hidden[last_token])  # type: ignore[union-attr]
+        forwarded = self._synchronized_time()
+        timing.forward_s = forwarded - prepared
         states = [self.requests[order[i]] for i in sampling_rows]
-        result = sample(logits, self._sampling_metadata(states))
-        return self._record(states, result)
+        output = self._record(states, sample(logits, self._sampling_metadata(states)))
+        timing.sample_s = time.perf_counter() - forwarded
+        output.timing = timing
+        return output
+
+    def _synchronized_time(self) -> float:
+        # GPU kernels run asynchronously: wait for them, or the forward would look free.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         n = len(states)

@@ -1,0 +1,290 @@
+"""The EngineCore in its own process, reached over ZMQ.
+
+Three threads: the input thread receives requests (DEALER), decodes them and does the per-request
+preprocessing (validation, block hashing); the main thread runs the busy loop (schedule, execute,
+update); the output thread encodes results into reused buffers and PUSHes them. The model's time
+is spent in the main thread only; serialization and socket work overlap with it.
+
+Start-up: HELLO to the frontend's handshake socket, receive the data-socket addresses, load the
+model, then READY with the KV block count. A fatal error sends ENGINE_CORE_DEAD before exiting,
+so the frontend fails requests instead of waiting. SIGTERM/SIGINT drain: new requests are
+refused, running ones finish (or are aborted when the grace period ends), then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core.engine_core import EngineCore
+from pdserve.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityOutput,
+)
+from pdserve.engine.request import Request
+from pdserve.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+log = logging.getLogger("pdserve.engine.core_proc")
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+DEFAULT_DRAIN_SECONDS = float(os.environ.get("PDSERVE_DRAIN_SECONDS", "30"))
+# Utility calls a frontend may make; anything else is refused.
+UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "ping"}
+_WAKE, _STOP = object(), object()
+_REUSED_BUFFER_LIMIT = 1 << 20
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, handshake_address: str, engine_index: int = 0,
+                 drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
+        self.engine_index = engine_index
+        self.identity = engine_index.to_bytes(2, "little")
+        self.drain_seconds = drain_seconds
+        self.ctx = zmq.Context()
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.drain_deadline: float | None = None
+        # An I/O thread that dies takes the engine with it: the busy loop re-raises this.
+        self.thread_failure: BaseException | None = None
+        self.output_address = ""
+
+        handshake = self.ctx.socket(zmq.DEALER)
+        handshake.setsockopt(zmq.LINGER, 1000)
+        handshake.connect(handshake_address)
+        handshake.send(msgspec.msgpack.encode({"type": "HELLO", "engine_index": engine_index, "pid": os.getpid()}))
+        init = msgspec.msgpack.decode(handshake.recv())
+
+        self.core = EngineCore(config)
+
+        input_ready = threading.Event()
+        self.output_address = init["output_address"]
+        self.input_thread = threading.Thread(target=self._guarded, args=(self._input_loop, init["input_address"],
+                                                                          input_ready), name="engine-input", daemon=True)
+        self.output_thread = threading.Thread(target=self._guarded, args=(self._output_loop, self.output_address),
+                                              name="engine-output", daemon=True)
+        self.input_thread.start()
+        self.output_thread.start()
+        input_ready.wait()
+        handshake.send(msgspec.msgpack.encode({"type": "READY", "num_kv_blocks": config.num_kv_blocks,
+                                               "max_model_len": config.model.max_model_len}))
+        handshake.close()
+
+    # -- threads ------------------------------------------------------------------------------
+
+    def _guarded(self, body: Any, *args: Any) -> None:
+        try:
+            body(*args)
+        except zmq.ContextTerminated:
+            pass  # shutting down
+        except BaseException as exc:
+            log.error("%s thread failed:\n%s", threading.current_thread().name, traceback.format_exc())
+            self.thread_failure = exc
+            self.input_queue.put((EngineCoreRequestType.WAKEUP.value, None))
+
+    def _input_loop(self, address: str, ready: threading.Event) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.connect(address)
+        sock.send(b"")  # lets the frontend's ROUTER learn this engine's identity
+        ready.set()
+        decode_add = MsgpackDecoder(EngineCoreRequest)
+        decode_abort = MsgpackDecoder(list[str])
+        decode_utility = MsgpackDecoder(tuple[int, str, list[Any]])
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            kind = bytes(frames[0].buffer)
+            try:
+                if kind == EngineCoreRequestType.ADD.value:
+                    self.input_queue.put((kind, self._preprocess(decode_add.decode(frames[1:]))))
+                elif kind == EngineCoreRequestType.ABORT.value:
+                    self.input_queue.put((kind, decode_abort.decode(frames[1:])))
+                elif kind == EngineCoreRequestType.UTILITY.value:
+                    self.input_queue.put((kind, decode_utility.decode(frames[1:])))
+                else:
+                    self.input_queue.put((EngineCoreRequestType.WAKEUP.value, None))
+            except Exception as exc:  # a malformed message must not kill the engine
+                log.warning("dropping a malformed %r message: %s", kind, exc)
+
+    def _preprocess(self, req: EngineCoreRequest) -> Request | tuple[str, str]:
+        """Validate and hash off the busy loop; a rejection becomes (request_id, reason)."""
+        try:
+            self.core.validate_request(req)
+        except ValueError as exc:
+            return req.request_id, str(exc)
+        return Request.from_engine_core_request(req, self.core.block_hasher)
+
+    def _output_loop(self, address: str) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 4000)
+        sock.connect(address)
+        encoder = MsgpackEncoder()
+        buffer = bytearray()
+        while True:
+            item = self.output_queue.get()
+            if item is _STOP:
+                break
+            if item is ENGINE_CORE_DEAD:
+                sock.send(ENGINE_CORE_DEAD)
+                break
+            frames = encoder.encode_into(item, buffer)
+            large = len(buffer) > _REUSED_BUFFER_LIMIT
+            # A small body is copied by send (cheaper than tracking a zero-copy send) so its
+            # buffer can be reused at once; a large one is handed over and replaced.
+            sock.send_multipart(frames, copy=not large)
+            del frames  # drop the view of `buffer`, or it cannot be resized next time
+            if large:
+                buffer = bytearray()
+        sock.close(linger=4000)
+
+    # -- the busy loop ------------------------------------------------------------------------
+
+    def request_drain(self, *_: Any) -> None:
+        if self.drain_deadline is None:
+            log.info("draining: refusing new requests, finishing %d in flight",
+                     self.core.scheduler.num_unfinished_requests)
+            self.drain_deadline = time.monotonic() + self.drain_seconds
+        self.input_queue.put((EngineCoreRequestType.WAKEUP.value, None))
+
+    def run_busy_loop(self) -> None:
+        while True:
+            if self.thread_failure is not None:
+                raise RuntimeError("an engine I/O thread failed") from self.thread_failure
+            idle = not self.core.has_unfinished_requests()
+            if self.drain_deadline is not None and (idle or time.monotonic() >= self.drain_deadline):
+                self._abort_everything("the engine is shutting down")
+                return
+            changed = self._drain_inputs(block=idle)
+            if self.core.has_unfinished_requests():
+                outputs, _ = self.core.step()
+                self.output_queue.put(outputs)
+            elif changed:
+                # No step will report the freed blocks: send the stats now (e.g. after aborts).
+                self.output_queue.put(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats(),
+                                                        timestamp=time.time()))
+
+    def _drain_inputs(self, block: bool) -> bool:
+        changed = False
+        try:
+            item = self.input_queue.get(timeout=1.0) if block else self.input_queue.get_nowait()
+            while True:
+                changed |= self._handle_input(*item)
+                item = self.input_queue.get_nowait()
+        except queue.Empty:
+            return changed
+
+    def _handle_input(self, kind: bytes, payload: Any) -> bool:
+        if kind == EngineCoreRequestType.ADD.value:
+            if isinstance(payload, tuple):
+                self._reject(*payload)
+            elif self.drain_deadline is not None:
+                self._reject(payload.request_id, "the engine is shutting down")
+            else:
+                try:
+                    self.core.scheduler.add_request(payload)
+                except ValueError as exc:
+                    self._reject(payload.request_id, str(exc))
+            return True
+        if kind == EngineCoreRequestType.ABORT.value:
+            self.core.abort_requests(payload)
+            return True
+        if kind == EngineCoreRequestType.UTILITY.value:
+            self._call_utility(*payload)
+        return False
+
+    def _reject(self, request_id: str, reason: str) -> None:
+        log.debug("rejected request %s: %s", request_id, reason)
+        self.output_queue.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+            request_id, [], finish_reason=FinishReason.ABORT, stop_reason=f"rejected: {reason}")]))
+
+    def _call_utility(self, call_id: int, method: str, args: list[Any]) -> None:
+        result = UtilityOutput(call_id)
+        try:
+            if method not in UTILITY_METHODS:
+                raise ValueError(f"unknown utility method {method!r}")
+            result.result = getattr(self.core, method)(*args)
+        except Exception as exc:
+            result.failure_message = f"{type(exc).__name__}: {exc}"
+        self.output_queue.put(EngineCoreOutputs(utility_output=result))
+
+    def _abort_everything(self, reason: str) -> None:
+        ids = list(self.core.scheduler.requests)
+        if ids:
+            log.warning("aborting %d requests: %s", len(ids), reason)
+            self.core.abort_requests(ids)
+            self.output_queue.put(EngineCoreOutputs(outputs=[
+                EngineCoreOutput(i, [], finish_reason=FinishReason.ABORT, stop_reason=reason) for i in ids],
+                scheduler_stats=self.core.scheduler.make_stats()))
+
+    def shutdown(self, dead: bool = False) -> None:
+        if self.output_thread.is_alive():
+            self.output_queue.put(ENGINE_CORE_DEAD if dead else _STOP)
+            self.output_thread.join(timeout=5)
+        elif dead:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(self.output_address)
+            sock.send(ENGINE_CORE_DEAD)
+            sock.close(linger=2000)
+        try:
+            self.core.shutdown()
+        finally:
+            self.ctx.destroy(linger=0)
+
+
+def _watch_parent(pipe: Connection, proc: "list[EngineCoreProc | None]") -> None:
+    """Exit when the frontend dies: its end of the pipe closes and recv() raises."""
+    try:
+        pipe.recv()
+    except (EOFError, OSError):
+        pass
+    log.warning("frontend process is gone; shutting down")
+    engine = proc[0]
+    if engine is not None:
+        try:
+            engine.core.shutdown()
+        except Exception:
+            pass
+    os._exit(1)
+
+
+def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: int = 0,
+                    parent_pipe: Connection | None = None) -> None:
+    """Entry point of the EngineCore process."""
+    from pdserve.engine.logging_config import configure_logging
+
+    configure_logging()
+    holder: list[EngineCoreProc | None] = [None]
+    if parent_pipe is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pipe, holder), daemon=True, name="parent-watch").start()
+    # Until the busy loop runs, a signal just ends the process.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, lambda *_: os._exit(0))
+    engine = None
+    try:
+        engine = EngineCoreProc(config, handshake_address, engine_index)
+        holder[0] = engine
+        signal.signal(signal.SIGTERM, engine.request_drain)
+        signal.signal(signal.SIGINT, engine.request_drain)
+        engine.run_busy_loop()
+        engine.shutdown()
+        log.info("engine core %d exited cleanly", engine_index)
+        os._exit(0)
+    except Exception:
+        log.error("engine core %d failed:\n%s", engine_index, traceback.format_exc())
+        if engine is not None:
+            engine.shutdown(dead=True)
+        os._exit(1)

@@ -1,0 +1,201 @@
+"""The asyncio engine the server uses: `async for output in engine.generate(...)`.
+
+One task reads the EngineCore's outputs, runs them through the OutputProcessor in one pass, and
+hands each request's RequestOutput to that request's collector. A collector holds at most one
+pending output: if its consumer is slower than the engine, new deltas merge into the pending one
+instead of queueing without bound. Cancelling a generate() (a client that went away) aborts the
+request in the core, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Any, AsyncGenerator, Callable
+
+from pdserve.engine.config import EngineArgs, EngineConfig
+from pdserve.engine.frontend.input_processor import InputProcessor, PromptType
+from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError
+from pdserve.engine.frontend.output_processor import IterationStats, OutputProcessor, ParentRequest
+from pdserve.engine.frontend.tokenizer import load_tokenizer
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.protocol import SchedulerStats
+from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("pdserve.engine.async_llm")
+
+# Called after every batch of outputs with the core's scheduler stats and the frontend's latencies.
+StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
+
+
+class RequestOutputCollector:
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.kind = kind
+        self.pending: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if self.pending is None or isinstance(item, Exception) or isinstance(self.pending, Exception):
+            self.pending = item
+        elif self.kind == RequestOutputKind.DELTA:
+            self.pending = _merge_deltas(self.pending, item)
+        else:
+            self.pending = item  # cumulative outputs supersede each other
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            await self.ready.wait()
+        item, self.pending = self.pending, None
+        self.ready.clear()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def _merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    by_index: dict[int, CompletionOutput] = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = c
+            continue
+        logprobs = None if prev.logprobs is None and c.logprobs is None else (prev.logprobs or []) + (c.logprobs or [])
+        by_index[c.index] = CompletionOutput(c.index, prev.text + c.text, prev.token_ids + c.token_ids,
+                                             c.cumulative_logprob, logprobs, c.finish_reason, c.stop_reason)
+    return replace(newer, outputs=[by_index[i] for i in sorted(by_index)])
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, client: AsyncMPClient | None = None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = client or AsyncMPClient(config)
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.stats_listeners: list[StatsListener] = []
+        self.last_scheduler_stats: SchedulerStats | None = None
+        self._handler: asyncio.Task | None = None
+        self.dead_error: Exception | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(args.create_engine_config())
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.served_model_name
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.client.dead
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
+                          kv_transfer_params: dict[str, Any] | None = None) -> RequestOutputCollector:
+        """Validate and submit. Raises ValueError for bad input and EngineDeadError if the core is gone."""
+        if self.errored:
+            raise EngineDeadError(str(self.dead_error or self.client.dead_reason))
+        if request_id in self.collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_handler()
+        if params.n == 1:
+            children = [(self.input_processor.process(request_id, prompt, params, priority=priority,
+                                                      kv_transfer_params=kv_transfer_params), None, 0)]
+        else:
+            parent = ParentRequest(request_id, params)
+            children = [(self.input_processor.process(parent.child_id(i), prompt, parent.child_params(params, i),
+                                                      priority=priority), parent, i) for i in range(params.n)]
+        collector = RequestOutputCollector(params.output_kind)
+        self.collectors[request_id] = collector
+        try:
+            for (text, core_request), parent, index in children:
+                self.output_processor.add_request(core_request, text, parent, index)
+                await self.client.add_request_async(core_request)
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        return collector
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0, kv_transfer_params: dict[str, Any] | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
+        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
+                                           kv_transfer_params=kv_transfer_params)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            # Cancelled (client disconnect) or abandoned: free the request's blocks in the core.
+            if not finished:
+                await asyncio.shield(self.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self.collectors.pop(request_id, None)
+        core_ids = self.output_processor.abort_requests([request_id])
+        if core_ids and not self.client.dead:
+            try:
+                await self.client.abort_requests_async(core_ids)
+            except EngineDeadError:
+                pass
+
+    # -- the output loop ------------------------------------------------------------------------
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(self._handle_outputs(), name="output-handler")
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                for output in processed.request_outputs:
+                    collector = self.collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
+                        if output.finished:
+                            del self.collectors[output.request_id]
+                if processed.reqs_to_abort:
+                    await self.client.abort_requests_async(processed.reqs_to_abort)
+                if outputs.scheduler_stats is not None:
+                    self.last_scheduler_stats = outputs.scheduler_stats
+                iteration = self.output_processor.take_stats()
+                for listener in self.stats_listeners:
+                    listener(outputs.scheduler_stats, iteration)
+        except EngineDeadError as exc:
+            self._fail_everything(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave requests waiting forever
+            log.exception("output handler failed")
+            self._fail_everything(EngineDeadError(f"output handler failed: {exc}"))
+
+    def _fail_everything(self, error: Exception) -> None:
+        self.dead_error = error
+        for collector in self.collectors.values():
+            collector.put(error)
+        self.collectors.clear()
+
+    # -- engine-wide calls ----------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(str(self.dead_error or self.client.dead_reason))
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self.client.call_utility_async("get_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self.client.shutdown()

@@ -1,0 +1,41 @@
+"""Logging for every pdserve process: one line per event, key=value fields, quiet by default.
+
+PDSERVE_LOG_LEVEL (default INFO: startup, shutdown and errors; per-request events are DEBUG)
+and PDSERVE_LOG_FORMAT=json|text (default text) tune it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        line = f"{stamp} level={record.levelname} logger={record.name} pid={record.process} msg={record.getMessage()!r}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": record.created, "level": record.levelname, "logger": record.name, "pid": record.process,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def configure_logging(level: str | None = None) -> None:
+    level = (level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO")).upper()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if os.environ.get("PDSERVE_LOG_FORMAT") == "json" else _TextFormatter())
+    root = logging.getLogger("pdserve")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
