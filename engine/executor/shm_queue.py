@@ -93,6 +93,7 @@ _CLOSED_OFF = 24
 _ATTACHED_OFF = 32
 _HDR = struct.Struct("<B7xQ")  # kind, payload length
 _PICKLE_PREFIX = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
+_FRONT = struct.Struct("<B7xQI4xQ")  # _HDR then _PICKLE_PREFIX: one unpack on the reader's fast path
 _U64 = struct.Struct("<Q")
 
 # Message kinds, stored in the chunk header.
@@ -100,7 +101,6 @@ _RAW = 1  # bytes in the chunk
 _PICKLE = 2  # _PICKLE_PREFIX, the pickle stream, n out-of-band buffer lengths (u64), the buffers
 _REMOTE_RAW = 4  # the bytes are the next message on the socket
 _REMOTE_PICKLE = 5  # the next socket message is [pickle stream, *out-of-band buffers]
-_PICKLED_KINDS = (_PICKLE, _REMOTE_PICKLE)
 
 _READY = b"pdserve-shm-queue-ready"
 _SOCKET_LINGER_MS = 1000  # let queued large messages reach live readers when the writer closes
@@ -130,11 +130,12 @@ class QueueHandle(msgspec.Struct, frozen=True):
 # memoryview access is a separate C call the compiler cannot move others across. The CPU might:
 # x86-64 (TSO) keeps stores in order with stores, loads with loads, and loads before later stores,
 # which is all this protocol relies on (it never needs a store to be ordered before a later load),
-# and glibc ends its non-temporal memcpy path with an sfence; so on x86 the fence is nothing.
+# and glibc ends its non-temporal memcpy path with an sfence; so x86 issues no fence at all.
 # ARM and POWER reorder freely, and Python has no fence instruction, so there we borrow one from a
 # lock: acquire has acquire semantics and release has release semantics, and a release followed
 # by an acquire is ordered too (AArch64 LDAR after STLR), so acquire-release-acquire-release
-# orders every access before it against every access after it. Costs ~1 µs; x86 skips it.
+# orders every access before it against every access after it. About 1 µs, three per message on
+# each side; on x86 that would be most of the cost of a small message, hence the switch.
 _TSO = platform.machine().lower() in {"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"}
 _fence_lock = threading.Lock()
 
@@ -146,11 +147,7 @@ def _lock_fence() -> None:
     _fence_lock.release()
 
 
-def _no_fence() -> None:
-    pass
-
-
-_fence = _no_fence if _TSO else _lock_fence
+_NEEDS_FENCE = not _TSO
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -305,6 +302,13 @@ class ShmMessageQueue:
         self._ready = False
         self._closed = False
         self._subscribed = 0  # writer: subscriptions seen on the XPUB socket
+        self._n_chunks = handle.max_chunks
+        self._capacity = handle.max_chunk_bytes
+        # Per chunk, the offsets this side touches, looked up once per message.
+        if reader_rank is None:
+            self._slots = [(w, r, r + handle.n_readers, d) for w, r, d in zip(layout.written, layout.read, layout.data)]
+        else:
+            self._slots = [(r + reader_rank, w, d) for w, r, d in zip(layout.written, layout.read, layout.data)]
         self._ones = b"\x01" * handle.n_readers
         self._zeros = bytes(handle.n_readers)
         # One pickler per queue, reused (memo cleared per message): building one costs more than
@@ -415,31 +419,34 @@ class ShmMessageQueue:
         large message costs more than the copy itself. A message that outgrows the chunk is
         collected as it is written and goes over the socket instead.
         """
-        data = self._claim(timeout, cancel)
+        written, data = self._claim(timeout, cancel)
         start = data + _HDR.size
         body = start + _PICKLE_PREFIX.size
-        end = start + self._handle.max_chunk_bytes
+        end = start + self._capacity
         sink, oob = self._sink, self._oob
         try:
             sink.reset(body, end)
             self._pickler.clear_memo()
             self._pickler.dump(obj)
-            try:
-                raws = [b.raw() for b in oob]
-            except BufferError:  # a non-contiguous out-of-band buffer: keep everything in-band
-                raws = []
-                sink.reset(body, end)
-                if self._inband_pickler is None:
-                    self._inband_pickler = pickle.Pickler(sink, protocol=5)
-                self._inband_pickler.clear_memo()
-                self._inband_pickler.dump(obj)
+            raws = []
+            if oob:
+                try:
+                    raws = [b.raw() for b in oob]
+                except BufferError:  # a non-contiguous out-of-band buffer: keep everything in-band
+                    raws = []
+                    sink.reset(body, end)
+                    if self._inband_pickler is None:
+                        self._inband_pickler = pickle.Pickler(sink, protocol=5)
+                    self._inband_pickler.clear_memo()
+                    self._inband_pickler.dump(obj)
         finally:
             oob.clear()  # the raw views keep what they need alive; drop the caller's objects
         buf = self._buf
         if sink.spill is None:
             pos = sink.pos
-            tail = pos + 8 * len(raws) + sum(r.nbytes for r in raws)
-            if tail <= end:
+            if raws:
+                tail = pos + 8 * len(raws) + sum(r.nbytes for r in raws)
+            if not raws or tail <= end:
                 _PICKLE_PREFIX.pack_into(buf, start, len(raws), pos - body)
                 for r in raws:
                     _U64.pack_into(buf, pos, r.nbytes)
@@ -447,7 +454,11 @@ class ShmMessageQueue:
                 for r in raws:
                     buf[pos:pos + r.nbytes] = r
                     pos += r.nbytes
-                self._publish(_PICKLE, pos - start)
+                _HDR.pack_into(buf, data, _PICKLE, pos - start)
+                if _NEEDS_FENCE:
+                    _lock_fence()  # the payload is visible before the flag that publishes it
+                buf[written] = 1
+                self._advance()
                 return
             stream = bytes(buf[body:pos])
         else:
@@ -456,7 +467,11 @@ class ShmMessageQueue:
         # The stream is ours and immutable: sent without a copy. The out-of-band buffers belong
         # to the caller, who may change them as soon as we return: copied.
         self._send_remote([stream, *raws], [False] + [True] * len(raws))
-        self._publish(_REMOTE_PICKLE, len(stream) + sum(r.nbytes for r in raws))
+        _HDR.pack_into(buf, data, _REMOTE_PICKLE, len(stream) + sum(r.nbytes for r in raws))
+        if _NEEDS_FENCE:
+            _lock_fence()
+        buf[written] = 1
+        self._advance()
 
     def enqueue_bytes(self, data: bytes | bytearray | memoryview, timeout: float | None = None,
                       cancel: Callable[[], bool] | None = None) -> None:
@@ -464,47 +479,50 @@ class ShmMessageQueue:
         immutable = type(data) is bytes
         view = data if immutable else _flat(data)
         n = len(view) if immutable else view.nbytes
-        start = self._claim(timeout, cancel) + _HDR.size
-        if n <= self._handle.max_chunk_bytes:
-            self._buf[start:start + n] = view
-            self._publish(_RAW, n)
+        written, offset = self._claim(timeout, cancel)
+        buf = self._buf
+        if n <= self._capacity:
+            start = offset + _HDR.size
+            buf[start:start + n] = view
+            _HDR.pack_into(buf, offset, _RAW, n)
         else:
             self._send_remote([view], [not immutable])
-            self._publish(_REMOTE_RAW, n)
+            _HDR.pack_into(buf, offset, _REMOTE_RAW, n)
+        if _NEEDS_FENCE:
+            _lock_fence()  # the payload is visible before the flag that publishes it
+        buf[written] = 1
+        self._advance()
 
-    def _claim(self, timeout: float | None, cancel: Callable[[], bool] | None) -> int:
-        """Wait until the next chunk is free, take it from the readers, return its data offset.
+    def _claim(self, timeout: float | None, cancel: Callable[[], bool] | None) -> tuple[int, int]:
+        """Wait until the next chunk is free and take it from the readers: (written flag, data offset).
 
-        Whatever happens between this and _publish (a pickling error, a timeout on the ready
+        Whatever happens between this and publishing (a pickling error, a timeout on the ready
         handshake) leaves the chunk unpublished with written == 0: free for the next attempt.
         """
+        buf = self._buf
+        if buf is None:
+            raise ValueError("queue is closed")
         if self._rank is not None:
             raise RuntimeError("a reader cannot enqueue")
-        self._check_open()
-        buf = self._buf
-        c = self._pos
-        written = self._layout.written[c]
-        read0 = self._layout.read[c]
-        read1 = read0 + self._handle.n_readers
+        written, read0, read1, data = self._slots[self._pos]
         ones = self._ones
+        if buf[written] and buf[read0:read1] != ones:
 
-        def free() -> bool:
-            return buf[written] == 0 or buf[read0:read1] == ones
+            def free() -> bool:
+                return buf[written] == 0 or buf[read0:read1] == ones
 
-        if not free():
             _wait(free, _deadline(timeout), cancel, None, "the slowest reader to free a chunk")
-        _fence()  # the readers' last loads of this chunk come before our stores
+        if _NEEDS_FENCE:
+            _lock_fence()  # the readers' last loads of this chunk come before our stores
         buf[written] = 0
-        _fence()  # readers must see written == 0 before they see their read flag cleared
+        if _NEEDS_FENCE:
+            _lock_fence()  # readers must see written == 0 before they see their read flag cleared
         buf[read0:read1] = self._zeros
-        return self._layout.data[c]
+        return written, data
 
-    def _publish(self, kind: int, length: int) -> None:
-        c = self._pos
-        _HDR.pack_into(self._buf, self._layout.data[c], kind, length)
-        _fence()  # the payload is visible before the flag that publishes it
-        self._buf[self._layout.written[c]] = 1
-        self._pos = c + 1 if c + 1 < self._handle.max_chunks else 0
+    def _advance(self) -> None:
+        c = self._pos + 1
+        self._pos = c if c < self._n_chunks else 0
 
     def _send_remote(self, frames: list, copies: list[bool]) -> None:
         # Sent before the marker is published, so a reader that sees the marker finds the
@@ -520,86 +538,79 @@ class ShmMessageQueue:
 
     def dequeue(self, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> Any:
         """Return the next message: the unpickled object, or bytes if it was sent with enqueue_bytes."""
-        return self._recv(timeout, cancel, raw_only=False)
+        return self._recv(timeout, cancel, False)
 
     def dequeue_bytes(self, timeout: float | None = None, cancel: Callable[[], bool] | None = None) -> bytes:
         """Return the next message, which must have been sent with enqueue_bytes.
 
         A pickled message raises TypeError and stays in the queue (dequeue() still gets it).
         """
-        return self._recv(timeout, cancel, raw_only=True)
+        return self._recv(timeout, cancel, True)
 
     def _recv(self, timeout: float | None, cancel: Callable[[], bool] | None, raw_only: bool) -> Any:
+        buf = self._buf
+        if buf is None:
+            raise ValueError("queue is closed")
         if self._rank is None:
             raise RuntimeError("the writer cannot dequeue")
-        self._check_open()
-        buf = self._buf
-        c = self._pos
-        own = self._layout.read[c] + self._rank
-        written = self._layout.written[c]
+        own, written, data = self._slots[self._pos]
         deadline: float | None = None
-
-        def available() -> bool:
-            return buf[own] == 0 and buf[written] == 1
-
         while True:
-            if not available():
+            if buf[own] or buf[written] != 1:
                 if deadline is None:
                     deadline = _deadline(timeout)
-                _wait(available, deadline, cancel, self._writer_closed, "a message")
+                _wait(lambda: buf[own] == 0 and buf[written] == 1, deadline, cancel, self._writer_closed,
+                      "a message")
+            if not _NEEDS_FENCE:
+                break  # loads stay in program order: own == 0, then written == 1, is a real observation
             # Our read flag at 0 means the writer cleared it (or it was never set), and the writer
             # stored written = 0 before clearing it; so written == 1 seen *after* that load,
             # fenced, can only be the store that follows this round's payload.
-            _fence()
+            _lock_fence()
             if buf[written] == 1:
                 break
-        _fence()  # payload loads after the flag loads
-        data = self._layout.data[c]
-        kind, length = _HDR.unpack_from(buf, data)
-        if raw_only and kind in _PICKLED_KINDS:
-            raise TypeError("the next message was pickled (sent with enqueue); read it with dequeue()")
+        if _NEEDS_FENCE:
+            _lock_fence()  # payload loads after the flag loads
+        kind, length, count, stream_len = _FRONT.unpack_from(buf, data)
         start = data + _HDR.size
+        if kind == _PICKLE:
+            if raw_only:
+                raise TypeError("the next message was pickled (sent with enqueue); read it with dequeue()")
+            body = start + _PICKLE_PREFIX.size
+            try:
+                if not count:
+                    return pickle.loads(buf[body:body + stream_len])
+                return _loads_oob(buf, body, stream_len, count)
+            finally:
+                # Consumed even if unpickling failed: a message that cannot be read must not wedge
+                # the queue.
+                if _NEEDS_FENCE:
+                    _lock_fence()  # our payload loads are done before the writer may reuse the chunk
+                buf[own] = 1
+                self._advance()
+        if kind == _RAW:
+            out = bytes(buf[start:start + length])
+            if _NEEDS_FENCE:
+                _lock_fence()
+            buf[own] = 1
+            self._advance()
+            return out
         if kind == _REMOTE_RAW or kind == _REMOTE_PICKLE:
+            if raw_only and kind == _REMOTE_PICKLE:
+                raise TypeError("the next message was pickled (sent with enqueue); read it with dequeue()")
             if not self._ready:
                 self.wait_until_ready(_remaining(deadline, 30.0))
             if deadline is None:
                 deadline = _deadline(timeout)
             frames = self._recv_socket(deadline, cancel)  # raises before we release: retried next time
-            self._release(own)
+            if _NEEDS_FENCE:
+                _lock_fence()
+            buf[own] = 1
+            self._advance()
             if kind == _REMOTE_RAW:
                 return frames[0].bytes
             return pickle.loads(frames[0].buffer, buffers=[bytearray(f.buffer) for f in frames[1:]])
-        try:
-            if kind == _RAW:
-                return bytes(buf[start:start + length])
-            if kind == _PICKLE:
-                count, stream_len = _PICKLE_PREFIX.unpack_from(buf, start)
-                pos = start + _PICKLE_PREFIX.size
-                stream = buf[pos:pos + stream_len]
-                try:
-                    if not count:
-                        return pickle.loads(stream)
-                    pos += stream_len
-                    lengths = struct.unpack_from(f"<{count}Q", buf, pos)
-                    pos += 8 * count
-                    # Copied out (bytearray, so arrays come back writable): the chunk gets reused.
-                    buffers = []
-                    for n in lengths:
-                        buffers.append(bytearray(buf[pos:pos + n]))
-                        pos += n
-                    return pickle.loads(stream, buffers=buffers)
-                finally:
-                    stream.release()
-            raise RuntimeError(f"corrupt queue: unknown message kind {kind} in chunk {c}")
-        finally:
-            # Consumed even if unpickling failed: a message that cannot be read must not wedge the queue.
-            self._release(own)
-
-    def _release(self, own: int) -> None:
-        _fence()  # our payload loads are done before the writer may see the chunk as free
-        self._buf[own] = 1
-        c = self._pos + 1
-        self._pos = c if c < self._handle.max_chunks else 0
+        raise RuntimeError(f"corrupt queue: unknown message kind {kind} in chunk {self._pos}")
 
     def _recv_socket(self, deadline: float | None, cancel: Callable[[], bool] | None) -> list:
         sock = self._sock
@@ -649,6 +660,18 @@ class ShmMessageQueue:
         role = "writer" if self._rank is None else f"reader {self._rank}"
         return (f"ShmMessageQueue({self._handle.shm_name}, {role}, {self._handle.n_readers} readers, "
                 f"{self._handle.max_chunks} x {self._handle.max_chunk_bytes} B{', closed' if self._closed else ''})")
+
+
+def _loads_oob(buf: memoryview, body: int, stream_len: int, count: int) -> Any:
+    pos = body + stream_len
+    lengths = struct.unpack_from(f"<{count}Q", buf, pos)
+    pos += 8 * count
+    # Copied out (bytearray, so arrays come back writable): the chunk is about to be reused.
+    buffers = []
+    for n in lengths:
+        buffers.append(bytearray(buf[pos:pos + n]))
+        pos += n
+    return pickle.loads(buf[body:body + stream_len], buffers=buffers)
 
 
 def _bind(sock: zmq.Socket, res: _Resources) -> str:
@@ -706,7 +729,8 @@ def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[]
             if cancel is not None and cancel():
                 raise QueueCancelled(f"cancelled while waiting for {what}")
             if closed is not None and closed():
-                _fence()  # closed is stored after the last message is published
+                if _NEEDS_FENCE:
+                    _lock_fence()  # closed is stored after the last message is published
                 if ready():
                     return
                 raise QueueClosed("the writer closed the queue")

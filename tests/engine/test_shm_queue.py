@@ -531,6 +531,28 @@ def test_a_rank_attaches_once(queue_factory):
         ShmMessageQueue.attach(writer.handle(), 0)
 
 
+def test_the_fenced_protocol_used_off_x86(queue_factory, monkeypatch):
+    """x86 needs no fences; the ARM/POWER path (lock-based fences, re-check of the written flag)
+    must still deliver everything, so run it here too."""
+    from pdserve.engine.executor import shm_queue
+
+    monkeypatch.setattr(shm_queue, "_NEEDS_FENCE", True)
+    writer, readers = queue_factory(2, max_chunk_bytes=2048, max_chunks=3)
+    msgs = [b"a", {"b": np.arange(5)}, b"c" * 5000, "d" * 3000, b"e" * 100]
+    for i, m in enumerate(msgs):
+        (writer.enqueue_bytes if isinstance(m, bytes) else writer.enqueue)(m, timeout=5)
+        for r in readers:
+            got = r.dequeue(timeout=5)
+            if isinstance(m, dict):
+                np.testing.assert_array_equal(got["b"], m["b"])
+            else:
+                assert got == m
+    writer.close()
+    for r in readers:
+        with pytest.raises(QueueClosed):
+            r.dequeue(timeout=5)
+
+
 # --------------------------------------------------------------------------- 5. lifecycle
 
 
