@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -25,34 +26,54 @@ _state: dict[str, object] = {}
 
 
 def _build_name() -> str:
-    # -march=native code must never be reused on another CPU: key the build on the CPU's flags.
-    flags = ""
+    """Unique per source, torch version and CPU: -march=native code must never run on another CPU."""
     try:
         flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256((flags + torch.__version__).encode()).hexdigest()[:10]
-    return f"pdserve_cpu_kernels_{digest}"
+    digest = hashlib.sha256()
+    for part in [flags, torch.__version__, *(s.read_text() for s in SOURCES)]:
+        digest.update(part.encode())
+    return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _library_path() -> Path:
+    from pdserve.engine.demo import cache_root
+
+    return cache_root() / "kernels" / f"{_build_name()}.so"
+
+
+def _build(target: Path, verbose: bool) -> None:
+    """Compile in a private folder, then move the library into place atomically.
+
+    torch's own build cache guards a shared folder with a lock file that a killed process leaves
+    behind, after which every later load waits forever; a private folder has no such lock.
+    """
+    from torch.utils.cpp_extension import load as load_extension
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as build_dir:
+        load_extension(name=_build_name(), sources=[str(s) for s in SOURCES], build_directory=build_dir,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False,
+                       verbose=verbose)
+        os.replace(Path(build_dir) / f"{_build_name()}.so", target)
 
 
 def load(verbose: bool = False) -> bool:
-    """Compile (once per machine) and load the kernels; True when they are usable."""
+    """Load the kernels, compiling them first if this machine has no build yet; True when usable."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
         if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
             _state["ok"] = False
             return False
+        target = _library_path()
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            load_extension(
-                name=_build_name(),
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-                is_python_module=False,
-                verbose=verbose,
-            )
+            if target.exists():
+                torch.ops.load_library(str(target))
+            else:
+                log.info("compiling the CPU attention kernels (once per machine) into %s", target)
+                _build(target, verbose)  # loads the library into this process as it builds it
             _state["ok"] = True
         except Exception as exc:  # no compiler, no ninja, a build error: run without the kernels
             log.warning("CPU attention kernels unavailable, using the torch path (%s)", str(exc).splitlines()[0])

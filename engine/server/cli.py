@@ -1,0 +1,94 @@
+"""`pdserve serve`: one engine behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+log = logging.getLogger("pdserve.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory, or 'demo' for the built-in model")
+    p.add_argument("--served-model-name", help="the name clients use (default: --model)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-kv-blocks", type=int, help="override the measured KV block count")
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="CPU: bytes of KV cache (default min(4 GiB, 30%% of RAM))")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to let in-flight requests finish after SIGTERM")
+    p.add_argument("--engine-role", choices=["prefill", "decode", "both"], default="both",
+                   help="this engine's pool in a disaggregated deployment")
+    p.add_argument("--kv-transfer-config", type=json.loads,
+                   help='KV connector settings as JSON, e.g. {"kv_connector": "p2p", "kv_role": "kv_producer"}')
+    p.add_argument("--coordinator-address", help="host:port of the coordinator that collects this engine's load")
+    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+def engine_args_from(args: argparse.Namespace):
+    from pdserve.engine.config import EngineArgs
+
+    return EngineArgs(
+        model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name or args.model,
+        dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy, tensor_parallel_size=args.tensor_parallel_size,
+        max_logprobs=args.max_logprobs, kv_transfer_config=args.kv_transfer_config,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.logging_config import configure_logging
+
+    configure_logging(args.log_level)
+    if args.data_parallel_size != 1:
+        print("pdserve serve: --data-parallel-size > 1 is not supported by this build; run one engine per pod",
+              file=sys.stderr)
+        return 2
+    if args.kv_transfer_config or args.coordinator_address:
+        log.warning("--kv-transfer-config and --coordinator-address are accepted but this build has no KV "
+                    "connector or coordinator client yet; the engine serves requests on its own")
+    import uvicorn
+
+    from pdserve.engine.frontend.async_llm import AsyncLLM
+    from pdserve.engine.server.app import ServerSettings, build_app
+
+    try:
+        engine = AsyncLLM.from_engine_args(engine_args_from(args))
+    except (ValueError, OSError) as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes))
+    log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
+             engine.config.num_kv_blocks)
+    print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                    timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+    finally:
+        engine.shutdown()
+    return 0

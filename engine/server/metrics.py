@@ -1,0 +1,72 @@
+"""Prometheus metrics with vLLM's names, so existing dashboards and autoscalers work unchanged.
+
+Each app gets its own registry (several servers may live in one test process). Gauges follow the
+latest scheduler stats; counters advance by the difference of the core's cumulative counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdserve.engine.frontend.output_processor import IterationStats
+from pdserve.engine.protocol import SchedulerStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", labels, registry=r)
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels, registry=r)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative preemptions.", labels, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", labels,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.success = Counter("vllm:request_success", "Successfully finished requests.", labels + ["finished_reason"],
+                               registry=r)
+        self.model = model_name
+        self._last = SchedulerStats()
+
+    def observe(self, stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        m = self.model
+        if stats is not None:
+            self.running.labels(m).set(stats.num_running_reqs)
+            self.waiting.labels(m).set(stats.num_waiting_reqs)
+            self.kv_usage.labels(m).set(stats.kv_cache_usage)
+            last = self._last
+            for counter, now, before in (
+                (self.cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
+                (self.cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
+                (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
+                (self.generation_tokens, stats.num_generation_tokens, last.num_generation_tokens),
+                (self.preemptions, stats.num_preemptions, last.num_preemptions),
+            ):
+                if now > before:
+                    counter.labels(m).inc(now - before)
+            self._last = stats
+        for value in iteration.time_to_first_token:
+            self.ttft.labels(m).observe(value)
+        for value in iteration.inter_token_latency:
+            self.itl.labels(m).observe(value)
+        for value in iteration.e2e_latency:
+            self.e2e.labels(m).observe(value)
+        for reason in iteration.finished_reasons:
+            self.success.labels(m, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

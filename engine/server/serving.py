@@ -1,0 +1,337 @@
+"""/v1/completions and /v1/chat/completions on top of AsyncLLM, streaming (SSE) or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pdserve.engine.frontend.async_llm import AsyncLLM, RequestOutputCollector
+from pdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.server.errors import APIError
+from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+
+@dataclass
+class Submitted:
+    """One prompt submitted to the engine: its collector and what usage needs."""
+
+    request_id: str
+    collector: RequestOutputCollector
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+    n: int
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    seen_prompts: set[int] = field(default_factory=set)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLM) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.config.model.max_model_len
+
+    # -- shared steps ---------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        if prompt_len >= self.max_model_len or (max_tokens is not None and prompt_len + max_tokens > self.max_model_len):
+            asked = f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion)" \
+                if max_tokens is not None else f"{prompt_len} tokens in the {param}"
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                                f"requested {asked}. Please reduce the length of the {param} or the completion.",
+                           param=param, code="context_length_exceeded")
+        return max_tokens if max_tokens is not None else self.max_model_len - prompt_len
+
+    @staticmethod
+    def build_params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+
+    async def submit(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
+                     body: _SamplingFields) -> Submitted:
+        prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
+        try:
+            collector = await self.engine.add_request(request_id, prompt, params, priority=body.priority,
+                                                      kv_transfer_params=body.kv_transfer_params)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return Submitted(request_id, collector, prompt_text, token_ids, params.n)
+
+    async def abort_all(self, submitted: list[Submitted]) -> None:
+        for s in submitted:
+            await self.engine.abort(s.request_id)
+
+    async def collect(self, submitted: list[Submitted], disconnected: Callable[[], Awaitable[None]]
+                      ) -> list[RequestOutput]:
+        """Final outputs of every prompt; aborts them all if the client goes away first."""
+        async def finals() -> list[RequestOutput]:
+            results = []
+            for s in submitted:
+                while True:
+                    out = await s.collector.get()
+                    if out.finished:
+                        results.append(out)
+                        break
+            return results
+
+        work = asyncio.ensure_future(finals())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            raise asyncio.CancelledError("client disconnected")
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await self.abort_all(submitted)
+
+    async def stream(self, submitted: list[Submitted]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of all prompts as they come, tagged with the prompt's position."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done_marker = object()
+
+        async def pump(position: int, s: Submitted) -> None:
+            try:
+                while True:
+                    out = await s.collector.get()
+                    await queue.put((position, out))
+                    if out.finished:
+                        break
+            except Exception as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(done_marker)
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(submitted)]
+        remaining = len(tasks)
+        finished_ok = False
+        try:
+            while remaining:
+                item = await queue.get()
+                if item is done_marker:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+            finished_ok = True
+        finally:
+            for t in tasks:
+                t.cancel()
+            if not finished_ok:  # cancelled by a disconnect, or an error: free the engine's blocks
+                await asyncio.shield(self.abort_all(submitted))
+
+    @staticmethod
+    def add_usage(usage: Usage, position: int, out: RequestOutput, completions: list[CompletionOutput],
+                  delta: bool) -> None:
+        if out.finished and position not in usage.seen_prompts:
+            usage.seen_prompts.add(position)
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            usage.cached_tokens += out.num_cached_tokens
+        if delta or out.finished:
+            usage.completion_tokens += sum(len(c.token_ids) for c in completions)
+
+    # -- completions ----------------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request_id: str,
+                          disconnected: Callable[[], Awaitable[None]]) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(body.model)
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n when given", param="best_of")
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        tokenized = []
+        for p in prompts:
+            text, ids = (p, self.engine.input_processor.tokenize(p)[1]) if isinstance(p, str) else (None, list(p))
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            tokenized.append((text, ids))
+        submitted: list[Submitted] = []
+        try:
+            for i, (text, ids) in enumerate(tokenized):
+                max_tokens = self.check_length(len(ids), body.max_tokens, "prompt")
+                params = self.build_params(body, max_tokens, body.logprobs)
+                rid = request_id if len(tokenized) == 1 else f"{request_id}-{i}"
+                submitted.append(await self.submit(rid, text, ids, params, body))
+        except BaseException:
+            await self.abort_all(submitted)
+            raise
+        created = int(time.time())
+        if body.stream:
+            return self._completion_stream(body, request_id, created, submitted)
+        outputs = await self.collect(submitted, disconnected)
+        usage = Usage()
+        choices = []
+        kv_params = None
+        for position, (s, out) in enumerate(zip(submitted, outputs)):
+            self.add_usage(usage, position, out, out.outputs, delta=False)
+            kv_params = kv_params or out.kv_transfer_params
+            for c in out.outputs:
+                text = ((s.prompt_text or self.engine.tokenizer.decode(s.prompt_token_ids)) + c.text) if body.echo else c.text
+                choices.append({"index": position * body.n + c.index, "text": text,
+                                "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        response = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage.as_dict()}
+        if kv_params is not None:
+            response["kv_transfer_params"] = kv_params
+        return response
+
+    async def _completion_stream(self, body: CompletionRequest, request_id: str, created: int,
+                                 submitted: list[Submitted]) -> AsyncIterator[str]:
+        usage = Usage()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        echoed: set[int] = set()
+        try:
+            async for position, out in self.stream(submitted):
+                self.add_usage(usage, position, out, out.outputs, delta=True)
+                for c in out.outputs:
+                    index = position * body.n + c.index
+                    text = c.text
+                    if body.echo and index not in echoed:
+                        echoed.add(index)
+                        s = submitted[position]
+                        text = (s.prompt_text or self.engine.tokenizer.decode(s.prompt_token_ids)) + text
+                    chunk = dict(base, choices=[{"index": index, "text": text,
+                                                 "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
+                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    if include_usage:
+                        chunk["usage"] = None
+                    if out.finished and out.kv_transfer_params is not None:
+                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                    yield sse(chunk)
+            if include_usage:
+                yield sse(dict(base, choices=[], usage=usage.as_dict()))
+        except APIError as exc:
+            yield sse({"error": {"message": exc.message, "type": "BadRequestError", "param": exc.param, "code": exc.status}})
+        except Exception as exc:
+            yield sse({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+        yield sse("[DONE]")
+
+    def _completion_logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
+        if c.logprobs is None:
+            return None
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            chosen = entry.get(token_id) or Logprob(float("nan"))
+            text = chosen.decoded_token or ""
+            tokens.append(text)
+            token_logprobs.append(chosen.logprob)
+            top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request_id: str,
+                   disconnected: Callable[[], Awaitable[None]]) -> dict[str, Any] | AsyncIterator[str]:
+        self.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = self.engine.input_processor.apply_chat_template(messages, body.add_generation_prompt,
+                                                                  **(body.chat_template_kwargs or {}))
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self.check_length(len(ids), requested, "messages")
+        params = self.build_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        submitted = [await self.submit(request_id, None, ids, params, body)]
+        created = int(time.time())
+        if body.stream:
+            return self._chat_stream(body, request_id, created, submitted)
+        out = (await self.collect(submitted, disconnected))[0]
+        usage = Usage()
+        self.add_usage(usage, 0, out, out.outputs, delta=False)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": usage.as_dict()}
+        if out.kv_transfer_params is not None:
+            response["kv_transfer_params"] = out.kv_transfer_params
+        return response
+
+    async def _chat_stream(self, body: ChatCompletionRequest, request_id: str, created: int,
+                           submitted: list[Submitted]) -> AsyncIterator[str]:
+        usage = Usage()
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+
+        def chunk(choice: dict[str, Any]) -> str:
+            return sse(dict(base, choices=[choice], **({"usage": None} if include_usage else {})))
+
+        try:
+            for i in range(body.n):  # every choice opens with the assistant role
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for _, out in self.stream(submitted):
+                self.add_usage(usage, 0, out, out.outputs, delta=True)
+                for c in out.outputs:
+                    delta = {"content": c.text} if c.text or not c.finished else {}
+                    yield chunk({"index": c.index, "delta": delta,
+                                 "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if include_usage:
+                yield sse(dict(base, choices=[], usage=usage.as_dict()))
+        except APIError as exc:
+            yield sse({"error": {"message": exc.message, "type": "BadRequestError", "param": exc.param, "code": exc.status}})
+        except Exception as exc:
+            yield sse({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+        yield sse("[DONE]")
+
+    @staticmethod
+    def _chat_logprobs(c: CompletionOutput, k: int) -> dict[str, Any] | None:
+        """OpenAI chat format: each token with its logprob, and the k most likely alternatives."""
+        if c.logprobs is None:
+            return None
+
+        def item(lp: Logprob) -> dict[str, Any]:
+            token = lp.decoded_token or ""
+            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+
+        content = []
+        for token_id, entry in zip(c.token_ids, c.logprobs):
+            chosen = entry.get(token_id) or Logprob(float("nan"))
+            top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+            content.append(dict(item(chosen), top_logprobs=[item(lp) for lp in top]))
+        return {"content": content}
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

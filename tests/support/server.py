@@ -1,0 +1,104 @@
+"""Start `pdserve serve` as a real subprocess on a free port, for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def children(self) -> list:
+        import psutil
+
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def engine_core_pid(self) -> int:
+        for child in self.children():
+            if "EngineCore" in " ".join(child.cmdline()) or child.name().startswith("EngineCore"):
+                return child.pid
+        # spawn children run `python -c from multiprocessing.spawn ...`; the engine core is the direct one
+        import psutil
+
+        direct = [c for c in psutil.Process(self.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert direct, f"no engine core process under {self.proc.pid}"
+        return direct[0].pid
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout}s:\n{log_path.read_text(errors='replace')}")
+
+
+@contextmanager
+def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--port", str(port), "--dtype", "float32", *args]
+    full_env = dict(os.environ, PYTHONSAFEPATH="1", **(env or {}))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    server = ServerProcess(proc, port, log_path)
+    try:
+        wait_healthy(server.url, proc, log_path)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
