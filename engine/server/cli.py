@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+from typing import Iterator
+
+import uvicorn
 
 log = logging.getLogger("pdserve.serve")
 
@@ -72,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_transfer_config or args.coordinator_address:
         log.warning("--kv-transfer-config and --coordinator-address are accepted but this build has no KV "
                     "connector or coordinator client yet; the engine serves requests on its own")
-    import uvicorn
-
     from pdserve.engine.frontend.async_llm import AsyncLLM
     from pdserve.engine.server.app import ServerSettings, build_app
 
@@ -86,9 +90,30 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
              engine.config.num_kv_blocks)
     print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+        GracefulServer(config).run()
     finally:
         engine.shutdown()
     return 0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, minus re-raising SIGTERM/SIGINT after its graceful shutdown.
+
+    Exiting through the signal again would skip the engine's shutdown and report an orderly stop
+    as a failure; we drain, shut the engine down, and exit 0.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)

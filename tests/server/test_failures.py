@@ -1,0 +1,126 @@
+"""Engine failures are reported, not hung on; SIGTERM drains in-flight requests before exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from support.server import run_server
+
+STREAM = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+          "stream": True}
+
+
+def stream_in_background(server, body: dict) -> tuple[threading.Thread, dict]:
+    """Start a streaming request; the result dict records chunks, errors and when it ended."""
+    result: dict = {"chunks": 0, "error": None, "text": "", "ended": None, "finish": None}
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120) as resp:
+                if resp.status_code != 200:
+                    result["error"] = f"HTTP {resp.status_code}: {resp.read().decode()}"
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    import json
+
+                    payload = json.loads(line[6:])
+                    if "error" in payload:
+                        result["error"] = payload["error"]["message"]
+                        break
+                    result["chunks"] += 1
+                    result["text"] += payload["choices"][0]["text"]
+                    result["finish"] = payload["choices"][0]["finish_reason"] or result["finish"]
+                    started.set()
+        except httpx.HTTPError as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            result["ended"] = time.monotonic()
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60), "the stream never started"
+    return thread, result
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def health(server) -> int:
+    try:
+        return httpx.get(f"{server.url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return -1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kill_9_of_the_engine_core_fails_requests_within_5s(model_dir, tmp_path, tp):
+    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--tensor-parallel-size", str(tp),
+                    tmp_path=tmp_path) as server:
+        thread, result = stream_in_background(server, STREAM)
+        killed_at = time.monotonic()
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
+        thread.join(10)
+        assert result["ended"] is not None and result["ended"] - killed_at < 5.0
+        assert result["error"] is not None and result["finish"] is None
+        assert wait_for(lambda: health(server) == 503, 5.0)
+        resp = httpx.post(f"{server.base_url}/completions", json={"model": "tiny", "prompt": "hi"}, timeout=10)
+        assert resp.status_code == 503 and "not running" in resp.json()["error"]["message"]
+
+
+def test_kill_9_of_a_tensor_parallel_worker_fails_requests_within_5s(model_dir, tmp_path):
+    import psutil
+
+    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                    tmp_path=tmp_path) as server:
+        core = psutil.Process(server.engine_core_pid())
+        workers = core.children()
+        assert len(workers) == 2, [w.cmdline() for w in workers]
+        thread, result = stream_in_background(server, STREAM)
+        killed_at = time.monotonic()
+        workers[1].kill()
+        thread.join(10)
+        assert result["ended"] is not None and result["ended"] - killed_at < 5.0
+        assert result["error"] is not None and result["finish"] is None
+        assert wait_for(lambda: health(server) == 503, 5.0)
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits(model_dir, tmp_path):
+    with run_server(model_dir("llama"), "--served-model-name", "tiny", tmp_path=tmp_path) as server:
+        body = dict(STREAM, max_tokens=150)
+        thread, result = stream_in_background(server, body)
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        assert result["error"] is None
+        assert result["finish"] == "length" and result["chunks"] >= 100
+        server.proc.wait(timeout=60)
+        assert server.proc.returncode == 0
+        assert wait_for(lambda: not _alive_children(server), 10.0)
+
+
+def _alive_children(server) -> list:
+    import psutil
+
+    alive = []
+    for pid in [p.pid for p in psutil.process_iter() if p.ppid() == server.proc.pid]:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
