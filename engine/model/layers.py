@@ -33,6 +33,22 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise ValueError unless the attention heads divide evenly over `tp` ranks.
+
+    Query heads must split evenly. KV heads either split evenly too, or, when there are fewer
+    than ranks, each is replicated on the same number of ranks. An uneven split (3 KV heads on
+    2 ranks) would give ranks different shapes and a query head whose KV head lives elsewhere.
+    """
+    if num_heads % tp:
+        raise ValueError(f"{num_heads} attention heads do not split over tensor_parallel_size={tp}")
+    if num_kv_heads >= tp and num_kv_heads % tp:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over tensor_parallel_size={tp}: "
+                         f"use a size that divides {num_kv_heads}")
+    if num_kv_heads < tp and tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} ranks cannot replicate {num_kv_heads} KV heads evenly")
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split over ranks; each rank yields its slice of y."""
 
@@ -77,15 +93,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  dtype: torch.dtype) -> None:
         tp = tp_size()
+        check_head_split(num_heads, num_kv_heads, tp)
         self.num_heads = num_heads // tp
         if num_kv_heads >= tp:
-            if num_kv_heads % tp:
-                raise ValueError(f"{num_kv_heads} KV heads do not split over {tp} ranks")
             self.num_kv_heads = num_kv_heads // tp
             self.kv_replicas = 1
         else:
-            if tp % num_kv_heads:
-                raise ValueError(f"{tp} ranks do not replicate {num_kv_heads} KV heads evenly")
             self.num_kv_heads = 1
             self.kv_replicas = tp // num_kv_heads
         self.head_dim = head_dim
