@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import uvicorn
 
@@ -67,7 +67,7 @@ def engine_args_from(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
     from pdserve.engine.logging_config import configure_logging
 
     configure_logging(args.log_level)
@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
              engine.config.num_kv_blocks)
     print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)
+    if on_ready is not None:
+        on_ready()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
     try:
