@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
@@ -337,6 +338,8 @@ class MultiprocExecutor(Executor):
         # Registered after multiprocessing.util's own exit hook, so it runs first: that hook joins
         # non-daemon children, which would wait forever for workers nobody told to stop.
         atexit.register(state.shutdown)
+        # An executor dropped without shutdown() must not keep its workers until exit.
+        weakref.finalize(self, state.shutdown)
         try:
             self._start_workers()
         except BaseException:
@@ -368,10 +371,11 @@ class MultiprocExecutor(Executor):
         for w in state.workers:
             assert w.response_handle is not None
             w.response = ShmMessageQueue.attach(w.response_handle, 0)
-        state.broadcast.wait_until_ready(HANDSHAKE_TIMEOUT_S)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        self._handshake(state.broadcast, deadline)
         for w in state.workers:
             assert w.response is not None
-            w.response.wait_until_ready(HANDSHAKE_TIMEOUT_S)
+            self._handshake(w.response, deadline)
         state.start_monitor()
         state.check_processes()  # a worker that died between its handshake and the monitor's start
         if state.failure is not None:
@@ -407,6 +411,20 @@ class MultiprocExecutor(Executor):
                 summary = payload.summary if isinstance(payload, RemoteError) else repr(payload)
                 raise WorkerStartupError(
                     f"tensor-parallel worker rank {w.rank} (pid {w.pid}) failed to start: {summary}") from cause
+
+    def _handshake(self, queue: ShmMessageQueue, deadline: float) -> None:
+        """wait_until_ready, in slices, so that a worker dying meanwhile fails startup at once."""
+        state = self._state
+        while True:
+            try:
+                queue.wait_until_ready(min(0.5, max(0.0, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                if state.died_within(0):
+                    raise state.error() from None
+                if time.monotonic() >= deadline:
+                    raise WorkerStartupError(f"tensor-parallel workers did not connect their queues within "
+                                             f"{HANDSHAKE_TIMEOUT_S:.0f}s") from None
 
     # -- RPC -----------------------------------------------------------------------------------
 
