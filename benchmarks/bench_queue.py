@@ -7,7 +7,8 @@ small control messages over the transport itself:
   child->parent on another, for the shared-memory queue two queues); p50 and mean over many trips;
 * one-way throughput: the parent sends a burst, the child acknowledges the last message;
 * wake-up latency: the parent sends a timestamp every 20 ms (an engine step) and the child records
-  how late it noticed: what a waiting worker pays once its wait has dropped into sleeping;
+  how late it noticed: what a waiting worker pays once its wait has dropped into sleeping; and
+  the CPU the child burns meanwhile;
 * idle CPU: the child's CPU time while it waits two seconds for a message that does not come.
 
 Payloads are bytes objects of 1,000 and 1,000,000 bytes. "pickle" rows send them as objects
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import pickle
 import statistics
 import tempfile
@@ -28,6 +30,8 @@ from typing import Any, Callable
 import multiprocessing as mp
 
 SPAWN = mp.get_context("spawn")
+# No wait is unbounded: a peer that died must fail the run, not hang it.
+RECV_TIMEOUT_S = 120.0
 SIZES = {"1KB": 1_000, "1MB": 1_000_000}
 WAKE_GAP_S = 0.020
 
@@ -38,20 +42,21 @@ WAKE_GAP_S = 0.020
 
 
 class ShmChannel:
-    def __init__(self, tx, rx):
+    def __init__(self, tx, rx, peer_alive: Callable[[], bool]):
         self.tx, self.rx = tx, rx
+        self.peer_gone = lambda: not peer_alive()
 
     def send(self, obj: Any) -> None:
-        self.tx.enqueue(obj)
+        self.tx.enqueue(obj, timeout=RECV_TIMEOUT_S, cancel=self.peer_gone)
 
     def recv(self) -> Any:
-        return self.rx.dequeue()
+        return self.rx.dequeue(timeout=RECV_TIMEOUT_S, cancel=self.peer_gone)
 
     def send_raw(self, data: bytes) -> None:
-        self.tx.enqueue_bytes(data)
+        self.tx.enqueue_bytes(data, timeout=RECV_TIMEOUT_S, cancel=self.peer_gone)
 
     def recv_raw(self) -> bytes:
-        return self.rx.dequeue_bytes()
+        return self.rx.dequeue_bytes(timeout=RECV_TIMEOUT_S, cancel=self.peer_gone)
 
     def close(self) -> None:
         self.tx.close()
@@ -66,7 +71,7 @@ class MpQueueChannel:
         self.tx.put(obj)
 
     def recv(self) -> Any:
-        return self.rx.get()
+        return self.rx.get(timeout=RECV_TIMEOUT_S)
 
     send_raw, recv_raw = send, recv
 
@@ -83,6 +88,8 @@ class ZmqChannel:
         # A bounded queue, like the ring and the pipe behind multiprocessing.Queue.
         self.sock.setsockopt(zmq.SNDHWM, 64)
         self.sock.setsockopt(zmq.RCVHWM, 64)
+        self.sock.setsockopt(zmq.RCVTIMEO, int(RECV_TIMEOUT_S * 1000))
+        self.sock.setsockopt(zmq.SNDTIMEO, int(RECV_TIMEOUT_S * 1000))
         (self.sock.bind if bind else self.sock.connect)(address)
 
     def send(self, obj: Any) -> None:
@@ -112,7 +119,8 @@ def _child_shm(p2c_handle, setup) -> None:
     tx = ShmMessageQueue.create(1)
     setup.put(tx.handle())
     tx.wait_until_ready()
-    _serve(ShmChannel(tx, rx))
+    parent = os.getppid()
+    _serve(ShmChannel(tx, rx, lambda: os.getppid() == parent))
 
 
 def _child_mpq(p2c, c2p) -> None:
@@ -141,10 +149,11 @@ def _serve(ch) -> None:
             ch.send("ok")
         elif kind == "wake":
             late = []
+            cpu0, wall0 = time.process_time(), time.monotonic()
             for _ in range(op[1]):
                 sent = ch.recv()
                 late.append(time.monotonic() - sent)
-            ch.send(late)
+            ch.send((late, 100.0 * (time.process_time() - cpu0) / (time.monotonic() - wall0)))
         elif kind == "idle":
             cpu0, wall0 = time.process_time(), time.monotonic()
             ch.recv()
@@ -167,7 +176,7 @@ def _open_shm():
     tx.wait_until_ready(timeout=120)
     rx = ShmMessageQueue.attach(setup.get(timeout=120), 0)
     rx.wait_until_ready(timeout=120)
-    return ShmChannel(tx, rx), proc
+    return ShmChannel(tx, rx, proc.is_alive), proc
 
 
 def _open_mpq():
@@ -212,7 +221,7 @@ def _throughput(ch, payload: bytes, n: int, raw: bool) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _wake_latency(ch, n: int) -> list[float]:
+def _wake_latency(ch, n: int) -> tuple[list[float], float]:
     ch.send(("wake", n))
     for _ in range(n):
         time.sleep(WAKE_GAP_S)
@@ -248,13 +257,14 @@ def main(argv: list[str]) -> None:
     ]
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for _, opener, variants in transports:
+    for name, opener, variants in transports:
+        print(f"  {name} ...", file=sys.stderr, flush=True)
         ch, proc = opener()
         try:
             ch.send(("echo", 1, False))  # the child is up and serving
             ch.send("ping")
             assert ch.recv() == "ping"
-            wake = _wake_latency(ch, n_wake)
+            wake, step_cpu = _wake_latency(ch, n_wake)
             idle = _idle_cpu(ch, idle_s)
             for label, raw in variants:
                 for size_name, size in SIZES.items():
@@ -272,10 +282,13 @@ def main(argv: list[str]) -> None:
                     if size_name == "1KB" and not raw:
                         row["wake_p50_us"] = statistics.median(wake) * 1e6
                         row["wake_max_us"] = max(wake) * 1e6
+                        row["step_wait_cpu_pct"] = step_cpu
                         row["idle_cpu_pct"] = idle
                     rows.append(row)
             ch.send(("stop",))
             proc.join(30)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"{name} child exited with {proc.exitcode}")
         finally:
             if proc.is_alive():
                 proc.kill()
@@ -293,7 +306,7 @@ def main(argv: list[str]) -> None:
     from pdserve.engine.executor import shm_queue
 
     columns = ["transport", "size", "rtt_p50_us", "rtt_mean_us", "rtt_speedup_vs_mpq", "msgs_per_s", "MB_per_s",
-               "tput_vs_mpq", "wake_p50_us", "wake_max_us", "idle_cpu_pct"]
+               "tput_vs_mpq", "wake_p50_us", "wake_max_us", "step_wait_cpu_pct", "idle_cpu_pct"]
     write_report = _write_report()
     write_report(
         "queue",
@@ -303,7 +316,8 @@ def main(argv: list[str]) -> None:
         meta={
             "quick": q,
             "counts": counts,
-            "wake": f"{n_wake} messages, {WAKE_GAP_S * 1e3:.0f} ms apart; latency from send to the reader noticing",
+            "wake": f"{n_wake} messages, {WAKE_GAP_S * 1e3:.0f} ms apart; latency from send to the reader noticing; "
+                    "step_wait_cpu_pct: the reader's CPU use meanwhile, as % of one core",
             "idle": f"child CPU time while blocked {idle_s} s on an empty channel, as % of one core",
             "shm_defaults": {"max_chunk_bytes": shm_queue.DEFAULT_MAX_CHUNK_BYTES,
                              "max_chunks": shm_queue.DEFAULT_MAX_CHUNKS},
@@ -322,6 +336,4 @@ def _write_report():
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])

@@ -37,11 +37,13 @@ at its HWM, and we must never lose one).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
 import platform
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -78,19 +80,23 @@ DEFAULT_MAX_CHUNKS = 16
 # backoff capped so that a message is noticed within about half a millisecond while the engine is
 # busy, and, once a wait has lasted long enough to mean "idle", with a longer cap so that idle
 # workers wake only ~200 times a second (a few hundredths of a percent of a core).
-SPIN_S = 100e-6  # pure polling, no system calls
-YIELD_S = 1e-3  # then sched_yield() until this much time has passed in the wait
+SPIN_S = 10e-6  # pure polling, no system calls
+YIELD_S = 500e-6  # then sched_yield() until this much time has passed in the wait
 SLEEP_START_S = 50e-6  # first sleep; doubles on each further sleep ...
 HOT_SLEEP_CAP_S = 500e-6  # ... up to this while the wait is younger than IDLE_AFTER_S,
 IDLE_AFTER_S = 1.0
 IDLE_SLEEP_CAP_S = 5e-3  # ... and up to this afterwards.
 CANCEL_EVERY_S = 1e-3  # cancel() may cost a system call (is_alive); call it at most this often
+# On Linux a reader's sleeps are futex waits that the writer cuts short when it publishes (see
+# _Futex), so a sleeping reader wakes within a scheduler wake-up of the message instead of within
+# a backoff step, and can sleep longer: it re-checks cancel, timeout and "closed" this often.
+FUTEX_NAP_S = 5e-3
 
 _MAGIC = 0x51534450  # "PDSQ"
-_VERSION = 1
+_VERSION = 2
 _CONTROL = struct.Struct("<IHHIIQ")  # magic, version, n_readers, max_chunks, pad, max_chunk_bytes
 _CLOSED_OFF = 24
-_ATTACHED_OFF = 32
+_ATTACHED_OFF = 64  # one byte per reader; then, 64-byte aligned, one "asleep" byte per reader
 _HDR = struct.Struct("<B7xQ")  # kind, payload length
 _PICKLE_PREFIX = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
 _FRONT = struct.Struct("<B7xQI4xQ")  # _HDR then _PICKLE_PREFIX: one unpack on the reader's fast path
@@ -150,6 +156,68 @@ def _lock_fence() -> None:
 _NEEDS_FENCE = not _TSO
 
 
+def _full_fence() -> None:
+    """Orders earlier stores before later loads too (what waking a sleeper needs), on x86 as well:
+    there the lock's compare-and-swap is a locked instruction, a full barrier by itself."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+if not _TSO:
+    _full_fence = _lock_fence  # noqa: F811
+
+
+# Waking sleepers. A reader about to sleep stores its "asleep" byte, then (full fence) reads the
+# futex word (the 4 bytes at its next chunk's written flag) and checks once more for a message;
+# the writer stores written = 1, then (full fence) reads the "asleep" bytes and, if any is set,
+# wakes that word. With both fences one of the two must see the other's store, so either the
+# reader finds the message or the writer wakes it; and if the publish lands between the reader's
+# read of the word and its futex wait, the kernel sees the word changed and does not sleep.
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "loongarch64": 98,
+              "ppc64le": 221, "ppc64": 221, "s390x": 238, "i386": 240, "i686": 240, "armv7l": 240}
+_U32 = struct.Struct("=I")  # the kernel compares the futex word as a native-endian u32
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Futex:
+    """futex(2) on words of the shared segment (not FUTEX_PRIVATE: other processes map it)."""
+
+    def __init__(self, syscall: Any, number: int) -> None:
+        self._syscall = syscall
+        self._number = number
+
+    def wait(self, address: int, expected: int, seconds: float) -> None:
+        # Returns on a wake-up, a timeout, a signal, or at once if the word is no longer
+        # `expected`; the caller re-checks its condition in every case.
+        whole = int(seconds)
+        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        self._syscall(self._number, address, _FUTEX_WAIT, expected, ctypes.byref(timeout), None, 0)
+
+    def wake(self, address: int) -> None:
+        self._syscall(self._number, address, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _load_futex() -> _Futex | None:
+    number = _SYS_FUTEX.get(platform.machine().lower())
+    if not sys.platform.startswith("linux") or number is None:
+        return None  # elsewhere readers just sleep with backoff
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
+                        ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_uint32]
+    return _Futex(syscall, number)
+
+
+_FUTEX = _load_futex()
+
+
 def _align(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
@@ -162,7 +230,8 @@ class _Layout:
             raise ValueError("max_chunks must be at least 1")
         if max_chunk_bytes < _PICKLE_PREFIX.size:
             raise ValueError(f"max_chunk_bytes must be at least {_PICKLE_PREFIX.size}")
-        control = _align(_ATTACHED_OFF + n_readers)
+        self.asleep = _ATTACHED_OFF + _align(n_readers)
+        control = self.asleep + _align(n_readers)
         meta_stride = _align(1 + n_readers)
         data_start = _align(control + meta_stride * max_chunks, 4096)
         data_stride = _align(_HDR.size + max_chunk_bytes)
@@ -205,8 +274,12 @@ class _Resources:
         self.unlink = False
         self.socket: zmq.Socket | None = None
         self.ipc_path: str | None = None
+        self.anchor: Any = None  # a ctypes view giving the mapping's address; pins the buffer
+        self.wake_on_close: list[int] = []  # writer: futex words that sleeping readers wait on
+        self.futex: _Futex | None = None
 
     def release(self) -> None:
+        self.anchor = None
         sock, self.socket = self.socket, None
         if sock is not None:
             try:
@@ -218,6 +291,10 @@ class _Resources:
         if mapping is not None:
             if self.unlink and buf is not None:
                 buf[_CLOSED_OFF] = 1  # readers drain what is left, then raise QueueClosed
+                if self.futex is not None:
+                    _full_fence()
+                    for address in self.wake_on_close:
+                        self.futex.wake(address)
             if isinstance(mapping, shared_memory.SharedMemory):
                 try:
                     mapping.close()
@@ -309,6 +386,18 @@ class ShmMessageQueue:
             self._slots = [(w, r, r + handle.n_readers, d) for w, r, d in zip(layout.written, layout.read, layout.data)]
         else:
             self._slots = [(r + reader_rank, w, d) for w, r, d in zip(layout.written, layout.read, layout.data)]
+        # Futex words live in the mapping; ctypes needs their addresses. (The anchor is dropped
+        # before the mapping is closed, which an exported buffer would otherwise prevent.)
+        self._futex = _FUTEX
+        resources.anchor = ctypes.c_char.from_buffer(self._buf)
+        self._base = ctypes.addressof(resources.anchor)
+        asleep = layout.asleep
+        if reader_rank is None:
+            self._asleep = (asleep, asleep + handle.n_readers)
+            resources.futex = self._futex
+            resources.wake_on_close = [self._base + w for w in layout.written]
+        else:
+            self._asleep_flag = asleep + reader_rank
         self._ones = b"\x01" * handle.n_readers
         self._zeros = bytes(handle.n_readers)
         # One pickler per queue, reused (memo cleared per message): building one costs more than
@@ -458,6 +547,8 @@ class ShmMessageQueue:
                 if _NEEDS_FENCE:
                     _lock_fence()  # the payload is visible before the flag that publishes it
                 buf[written] = 1
+                if self._futex is not None:
+                    self._wake_sleepers(written)
                 self._advance()
                 return
             stream = bytes(buf[body:pos])
@@ -471,6 +562,8 @@ class ShmMessageQueue:
         if _NEEDS_FENCE:
             _lock_fence()
         buf[written] = 1
+        if self._futex is not None:
+            self._wake_sleepers(written)
         self._advance()
 
     def enqueue_bytes(self, data: bytes | bytearray | memoryview, timeout: float | None = None,
@@ -491,6 +584,8 @@ class ShmMessageQueue:
         if _NEEDS_FENCE:
             _lock_fence()  # the payload is visible before the flag that publishes it
         buf[written] = 1
+        if self._futex is not None:
+            self._wake_sleepers(written)
         self._advance()
 
     def _claim(self, timeout: float | None, cancel: Callable[[], bool] | None) -> tuple[int, int]:
@@ -519,6 +614,12 @@ class ShmMessageQueue:
             _lock_fence()  # readers must see written == 0 before they see their read flag cleared
         buf[read0:read1] = self._zeros
         return written, data
+
+    def _wake_sleepers(self, written: int) -> None:
+        _full_fence()  # our written = 1 store before our loads of the "asleep" bytes
+        a0, a1 = self._asleep
+        if self._buf[a0:a1] != self._zeros:
+            self._futex.wake(self._base + written)  # type: ignore[union-attr]
 
     def _advance(self) -> None:
         c = self._pos + 1
@@ -559,8 +660,7 @@ class ShmMessageQueue:
             if buf[own] or buf[written] != 1:
                 if deadline is None:
                     deadline = _deadline(timeout)
-                _wait(lambda: buf[own] == 0 and buf[written] == 1, deadline, cancel, self._writer_closed,
-                      "a message")
+                self._wait_for_message(own, written, deadline, cancel)
             if not _NEEDS_FENCE:
                 break  # loads stay in program order: own == 0, then written == 1, is a real observation
             # Our read flag at 0 means the writer cleared it (or it was never set), and the writer
@@ -611,6 +711,31 @@ class ShmMessageQueue:
                 return frames[0].bytes
             return pickle.loads(frames[0].buffer, buffers=[bytearray(f.buffer) for f in frames[1:]])
         raise RuntimeError(f"corrupt queue: unknown message kind {kind} in chunk {self._pos}")
+
+    def _wait_for_message(self, own: int, written: int, deadline: float | None,
+                          cancel: Callable[[], bool] | None) -> None:
+        buf = self._buf
+
+        def ready() -> bool:
+            return buf[own] == 0 and buf[written] == 1
+
+        nap = None
+        futex = self._futex
+        if futex is not None:
+            flag = self._asleep_flag
+            address = self._base + written
+
+            def nap(seconds: float) -> None:
+                buf[flag] = 1
+                try:
+                    _full_fence()  # our "asleep" store before our loads of the flags
+                    expected = _U32.unpack_from(buf, written)[0]
+                    if not ready():
+                        futex.wait(address, expected, seconds)
+                finally:
+                    buf[flag] = 0
+
+        _wait(ready, deadline, cancel, self._writer_closed, "a message", nap)
 
     def _recv_socket(self, deadline: float | None, cancel: Callable[[], bool] | None) -> list:
         sock = self._sock
@@ -710,8 +835,10 @@ def _poll_ms(deadline: float | None) -> int:
 
 
 def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[], bool] | None,
-          closed: Callable[[], bool] | None, what: str) -> None:
+          closed: Callable[[], bool] | None, what: str, nap: Callable[[float], None] | None = None) -> None:
     """Return once ready() is true: spin, then yield, then sleep with capped backoff.
+
+    With `nap` (a sleep the writer can cut short), the sleeps are naps of FUTEX_NAP_S instead.
 
     Raises TimeoutError at `deadline` (time.monotonic()), QueueCancelled when cancel() is true,
     QueueClosed when closed() is true and ready() stays false.
@@ -742,8 +869,8 @@ def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[]
         if waited < YIELD_S:
             sched_yield()
             continue
-        nap = sleep_s
-        if deadline is not None:
-            nap = min(nap, deadline - now)
-        time.sleep(max(nap, 0.0))
+        if nap is not None:
+            nap(FUTEX_NAP_S if deadline is None else max(min(FUTEX_NAP_S, deadline - now), 0.0))
+            continue
+        time.sleep(sleep_s if deadline is None else max(min(sleep_s, deadline - now), 0.0))
         sleep_s = min(sleep_s * 2, HOT_SLEEP_CAP_S if waited < IDLE_AFTER_S else IDLE_SLEEP_CAP_S)
