@@ -215,6 +215,16 @@ class WorkerProc:
             pass  # the parent is gone; nobody to tell
 
     def _close(self) -> None:
+        if self.parent_gone.is_set():
+            # The executor that owned the broadcast queue's socket file cannot remove it any more.
+            # Its shared memory is left to the resource tracker, which unlinks what a dead process
+            # registered once every process sharing the tracker has exited.
+            address = self.broadcast_handle.zmq_address
+            if address.startswith("ipc://"):
+                try:
+                    os.unlink(address[len("ipc://"):])
+                except OSError:
+                    pass
         if self.worker is not None:
             try:
                 self.worker.shutdown()

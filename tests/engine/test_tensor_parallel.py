@@ -299,9 +299,10 @@ def test_workers_exit_when_the_engine_process_is_killed(model_dir, tmp_path):
         proc.wait(10)
         assert wait_until(lambda: all(gone(p) for p in pids), 10), \
             f"workers outlived their parent: {[p for p in pids if not gone(p)]}"
-        # The workers remove their own queues; the parent's is removed by the resource tracker
-        # once the last process holding it is gone.
+        # The workers remove their own queues and the parent's socket file; the parent's shared
+        # memory is removed by the resource tracker once the last process holding it is gone.
         leftovers = [f"/dev/shm/{n}" for n in info["shm"]]
+        leftovers += [a[len("ipc://"):] for a in info["ipc"] if a.startswith("ipc://")]
         assert wait_until(lambda: not any(os.path.exists(p) for p in leftovers), 10), leftovers
     finally:
         if proc.poll() is None:
