@@ -62,9 +62,9 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if tp < 1 or tp & (tp - 1):
             raise ValueError(f"tensor_parallel_size must be a power of two, got {tp}")
-        if model_config.num_attention_heads % tp:
-            raise ValueError(f"{model_config.num_attention_heads} attention heads do not split over "
-                             f"tensor_parallel_size={tp}")
+        from pdserve.engine.model.layers import check_head_split
+
+        check_head_split(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,

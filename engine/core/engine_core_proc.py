@@ -70,6 +70,8 @@ class EngineCoreProc:
         init = msgspec.msgpack.decode(handshake.recv())
 
         self.core = EngineCore(config)
+        # A worker that dies while the loop is idle would go unnoticed until the next request.
+        self.core.executor.register_failure_callback(self._on_worker_failure)
 
         input_ready = threading.Event()
         self.output_address = init["output_address"]
@@ -85,6 +87,10 @@ class EngineCoreProc:
         handshake.close()
 
     # -- threads ------------------------------------------------------------------------------
+
+    def _on_worker_failure(self) -> None:
+        self.thread_failure = RuntimeError("a tensor-parallel worker died")
+        self.input_queue.put((EngineCoreRequestType.WAKEUP.value, None))
 
     def _guarded(self, body: Any, *args: Any) -> None:
         try:
@@ -163,7 +169,8 @@ class EngineCoreProc:
     def run_busy_loop(self) -> None:
         while True:
             if self.thread_failure is not None:
-                raise RuntimeError("an engine I/O thread failed") from self.thread_failure
+                self.core.executor.check_health()  # names the dead worker, when that is the cause
+                raise RuntimeError("the engine cannot continue") from self.thread_failure
             idle = not self.core.has_unfinished_requests()
             if self.drain_deadline is not None and (idle or time.monotonic() >= self.drain_deadline):
                 self._abort_everything("the engine is shutting down")
@@ -239,10 +246,9 @@ class EngineCoreProc:
             sock.connect(self.output_address)
             sock.send(ENGINE_CORE_DEAD)
             sock.close(linger=2000)
-        try:
-            self.core.shutdown()
-        finally:
-            self.ctx.destroy(linger=0)
+        # The context is not destroyed: the input thread may be blocked on its socket, and closing
+        # it from here can abort the process. The caller exits right after, which releases all.
+        self.core.shutdown()
 
 
 def _watch_parent(pipe: Connection, proc: "list[EngineCoreProc | None]") -> None:

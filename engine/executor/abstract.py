@@ -31,6 +31,9 @@ class Executor(abc.ABC):
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 
+    def register_failure_callback(self, callback) -> None:
+        """Call `callback` as soon as a worker dies. Workers in-process cannot die alone: no-op."""
+
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 

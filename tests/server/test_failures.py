@@ -124,3 +124,13 @@ def _alive_children(server) -> list:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+def test_a_worker_dying_while_idle_turns_health_503(model_dir, tmp_path):
+    import psutil
+
+    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                    tmp_path=tmp_path) as server:
+        assert health(server) == 200
+        psutil.Process(server.engine_core_pid()).children()[0].kill()
+        assert wait_for(lambda: health(server) == 503, 5.0)
