@@ -166,16 +166,29 @@ def _serve(ch) -> None:
 # --------------------------------------------------------------------------- parent side
 
 
-def _open_shm():
+def _open_shm(futex: bool = True):
+    from pdserve.engine.executor import shm_queue
     from pdserve.engine.executor.shm_queue import ShmMessageQueue
 
-    tx = ShmMessageQueue.create(1)
-    setup = SPAWN.Queue()
-    proc = SPAWN.Process(target=_child_shm, args=(tx.handle(), setup), daemon=True)
-    proc.start()
-    tx.wait_until_ready(timeout=120)
-    rx = ShmMessageQueue.attach(setup.get(timeout=120), 0)
-    rx.wait_until_ready(timeout=120)
+    # Without the futex on both sides: queues take the setting when made, the child at import.
+    saved_futex, saved_env = shm_queue._FUTEX, os.environ.get("PDSERVE_SHM_QUEUE_FUTEX")
+    if not futex:
+        shm_queue._FUTEX = None
+        os.environ["PDSERVE_SHM_QUEUE_FUTEX"] = "0"
+    try:
+        tx = ShmMessageQueue.create(1)
+        setup = SPAWN.Queue()
+        proc = SPAWN.Process(target=_child_shm, args=(tx.handle(), setup), daemon=True)
+        proc.start()
+        tx.wait_until_ready(timeout=120)
+        rx = ShmMessageQueue.attach(setup.get(timeout=120), 0)
+        rx.wait_until_ready(timeout=120)
+    finally:
+        shm_queue._FUTEX = saved_futex
+        if saved_env is None:
+            os.environ.pop("PDSERVE_SHM_QUEUE_FUTEX", None)
+        else:
+            os.environ["PDSERVE_SHM_QUEUE_FUTEX"] = saved_env
     return ShmChannel(tx, rx, proc.is_alive), proc
 
 
@@ -249,15 +262,16 @@ def main(argv: list[str]) -> None:
     n_wake = 10 if q else 50
     idle_s = 0.5 if q else 2.0
 
-    # (label, opener, raw) — rows sharing an opener share one child process.
-    transports: list[tuple[str, Callable, list[tuple[str, bool]]]] = [
-        ("shm", _open_shm, [("ShmMessageQueue (pickle)", False), ("ShmMessageQueue (bytes)", True)]),
-        ("mpq", _open_mpq, [("multiprocessing.Queue", False)]),
-        ("zmq", _open_zmq, [("zmq ipc PAIR (pickle)", False), ("zmq ipc PAIR (bytes)", True)]),
+    # (name, opener, [(row label, raw)], sizes) — rows sharing an opener share one child process.
+    transports: list[tuple[str, Callable, list[tuple[str, bool]], list[str]]] = [
+        ("shm", _open_shm, [("ShmMessageQueue (pickle)", False), ("ShmMessageQueue (bytes)", True)], list(SIZES)),
+        ("shm-nofutex", lambda: _open_shm(futex=False), [("ShmMessageQueue (pickle, no futex)", False)], ["1KB"]),
+        ("mpq", _open_mpq, [("multiprocessing.Queue", False)], list(SIZES)),
+        ("zmq", _open_zmq, [("zmq ipc PAIR (pickle)", False), ("zmq ipc PAIR (bytes)", True)], list(SIZES)),
     ]
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
-    for name, opener, variants in transports:
+    for name, opener, variants, sizes in transports:
         print(f"  {name} ...", file=sys.stderr, flush=True)
         ch, proc = opener()
         try:
@@ -267,7 +281,8 @@ def main(argv: list[str]) -> None:
             wake, step_cpu = _wake_latency(ch, n_wake)
             idle = _idle_cpu(ch, idle_s)
             for label, raw in variants:
-                for size_name, size in SIZES.items():
+                for size_name in sizes:
+                    size = SIZES[size_name]
                     payload = os.urandom(size)
                     rtt = _round_trips(ch, payload, counts["rtt"][size_name], raw)
                     rate = _throughput(ch, payload, counts["tput"][size_name], raw)

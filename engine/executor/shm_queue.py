@@ -3,13 +3,15 @@
 The multiprocess executor broadcasts every scheduler step to all tensor-parallel workers and
 collects one reply per worker. Those messages are small (a few KB to a few hundred KB) and
 latency-critical (one per engine step), so they go through a ring of chunks in a POSIX
-shared-memory segment instead of a socket: the writer copies the serialized message into a chunk
-once, every reader copies it out once, and nobody makes a system call on the fast path.
+shared-memory segment instead of a socket: the writer pickles the message straight into a chunk,
+every reader copies it out once, and nobody makes a system call on the fast path (the writer
+makes one only to wake a reader that went to sleep, see _wait).
 
 Layout of the segment (all offsets 64-byte aligned so that flags of different chunks never share a
 cache line)::
 
-    control   magic, version, n_readers, max_chunks, max_chunk_bytes, closed flag, attached flags
+    control   magic, version, n_readers, max_chunks, max_chunk_bytes, closed flag;
+              an "attached" byte per reader; an "asleep" byte per reader
     metadata  per chunk: [written flag][read flag of reader 0] ... [read flag of reader N-1]
     data      per chunk: [kind u8, 7 pad][payload length u64][payload: max_chunk_bytes]
 
@@ -74,23 +76,36 @@ __all__ = [
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_CHUNKS = 16
 
-# How a waiter waits (see _wait). An engine step takes tens of milliseconds and this code runs on
-# machines with fewer cores than busy processes, so: a short spin catches the reply of a peer that
-# is already running; yields cover a peer that needs the CPU we are on; after that we sleep, with
-# backoff capped so that a message is noticed within about half a millisecond while the engine is
-# busy, and, once a wait has lasted long enough to mean "idle", with a longer cap so that idle
-# workers wake only ~200 times a second (a few hundredths of a percent of a core).
-SPIN_S = 10e-6  # pure polling, no system calls
-YIELD_S = 500e-6  # then sched_yield() until this much time has passed in the wait
-SLEEP_START_S = 50e-6  # first sleep; doubles on each further sleep ...
-HOT_SLEEP_CAP_S = 500e-6  # ... up to this while the wait is younger than IDLE_AFTER_S,
+# How a waiter waits (see _wait). An engine step takes tens of milliseconds, and this code runs on
+# machines with fewer cores than busy processes (2 cores: an EngineCore, its workers, a frontend):
+#
+# * spin, briefly: catches a peer already running on the other core (a ping-pong reply) at a few
+#   µs. Kept short because when the peer shares our core, spinning only delays it: 100 µs of spin
+#   made a same-core round trip 230 µs instead of ~40;
+# * sched_yield() until YIELD_S: still µs latency for a peer on another core, and hands our core
+#   to a peer waiting for it. This burns up to YIELD_S of CPU per wait (2.5% of a 20 ms step);
+# * then sleep. On Linux the sleeps are futex waits on the chunk the reader waits for, and the
+#   writer wakes sleepers when it publishes, so a sleeping reader notices a message one scheduler
+#   wake-up after it arrives (tens of µs on bare metal, ~0.15 ms on our 2-core VM) and costs
+#   nothing meanwhile. It still wakes every FUTEX_NAP_S to check cancel(), its timeout and
+#   "closed", and every FUTEX_IDLE_NAP_S once the wait is older than IDLE_AFTER_S (nothing was
+#   due: the worker is idle), because each wake-up costs 50-100 µs of CPU on a VM;
+# * where there is no futex (or PDSERVE_SHM_QUEUE_FUTEX=0), and for the writer waiting on a slow
+#   reader (back-pressure, rare), plain sleeps back off from SLEEP_START_S to HOT_SLEEP_CAP_S, so
+#   a message is still noticed within about half a millisecond during a busy wait, and after
+#   IDLE_AFTER_S to IDLE_SLEEP_CAP_S (the first message after an idle spell pays up to that).
+#
+# Measured on the 2-core VM (benchmarks/bench_queue.py): waiting out 20 ms steps costs ~4% of a
+# core with the futex (mostly the yield phase) and ~6% without; an idle reader well under 1%.
+SPIN_S = 10e-6
+YIELD_S = 500e-6
+SLEEP_START_S = 50e-6
+HOT_SLEEP_CAP_S = 500e-6
 IDLE_AFTER_S = 1.0
-IDLE_SLEEP_CAP_S = 5e-3  # ... and up to this afterwards.
-CANCEL_EVERY_S = 1e-3  # cancel() may cost a system call (is_alive); call it at most this often
-# On Linux a reader's sleeps are futex waits that the writer cuts short when it publishes (see
-# _Futex), so a sleeping reader wakes within a scheduler wake-up of the message instead of within
-# a backoff step, and can sleep longer: it re-checks cancel, timeout and "closed" this often.
+IDLE_SLEEP_CAP_S = 20e-3
 FUTEX_NAP_S = 5e-3
+FUTEX_IDLE_NAP_S = 50e-3
+CANCEL_EVERY_S = 1e-3  # cancel() may cost a system call (is_alive); call it at most this often
 
 _MAGIC = 0x51534450  # "PDSQ"
 _VERSION = 2
@@ -205,6 +220,8 @@ def _load_futex() -> _Futex | None:
     number = _SYS_FUTEX.get(platform.machine().lower())
     if not sys.platform.startswith("linux") or number is None:
         return None  # elsewhere readers just sleep with backoff
+    if os.environ.get("PDSERVE_SHM_QUEUE_FUTEX", "1") == "0":
+        return None  # to compare, or to rule it out
     try:
         syscall = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
@@ -836,9 +853,10 @@ def _poll_ms(deadline: float | None) -> int:
 
 def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[], bool] | None,
           closed: Callable[[], bool] | None, what: str, nap: Callable[[float], None] | None = None) -> None:
-    """Return once ready() is true: spin, then yield, then sleep with capped backoff.
+    """Return once ready() is true: spin, then yield, then sleep with capped backoff (see SPIN_S).
 
-    With `nap` (a sleep the writer can cut short), the sleeps are naps of FUTEX_NAP_S instead.
+    With `nap` (a sleep the writer cuts short), the sleeps are naps of FUTEX_NAP_S or
+    FUTEX_IDLE_NAP_S instead.
 
     Raises TimeoutError at `deadline` (time.monotonic()), QueueCancelled when cancel() is true,
     QueueClosed when closed() is true and ready() stays false.
@@ -870,7 +888,8 @@ def _wait(ready: Callable[[], bool], deadline: float | None, cancel: Callable[[]
             sched_yield()
             continue
         if nap is not None:
-            nap(FUTEX_NAP_S if deadline is None else max(min(FUTEX_NAP_S, deadline - now), 0.0))
+            seconds = FUTEX_NAP_S if waited < IDLE_AFTER_S else FUTEX_IDLE_NAP_S
+            nap(seconds if deadline is None else max(min(seconds, deadline - now), 0.0))
             continue
         time.sleep(sleep_s if deadline is None else max(min(sleep_s, deadline - now), 0.0))
         sleep_s = min(sleep_s * 2, HOT_SLEEP_CAP_S if waited < IDLE_AFTER_S else IDLE_SLEEP_CAP_S)

@@ -229,7 +229,13 @@ def _paused_message(i: int):
     return bytes(1000) + bytes([i]) if i % 4 == 0 and i >= 4 else i  # some take the socket
 
 
-def test_back_pressure_across_processes():
+@pytest.mark.parametrize("futex", [True, False], ids=["futex", "sleep"])
+def test_back_pressure_across_processes(futex, monkeypatch):
+    if not futex:  # both sides: this process's queues, and the child through its environment
+        from pdserve.engine.executor import shm_queue
+
+        monkeypatch.setattr(shm_queue, "_FUTEX", None)
+        monkeypatch.setenv("PDSERVE_SHM_QUEUE_FUTEX", "0")
     writer = ShmMessageQueue.create(1, max_chunk_bytes=256, max_chunks=3)
     results, go = SPAWN.Queue(), SPAWN.Event()
     proc = _spawn("paused_reader", writer.handle(), results, go)
@@ -334,6 +340,38 @@ def test_cancel_checked_by_a_process_liveness_probe():
     finally:
         reader.close()
         queue.close()
+
+
+@pytest.mark.parametrize("futex", [True, False], ids=["futex", "sleep"])
+def test_a_sleeping_reader_is_woken_by_the_writer(futex, monkeypatch):
+    """Readers waiting long enough go to sleep; a message must wake them, not wait for the end of
+    their nap (made a minute long here, so only a wake-up can deliver within the test)."""
+    from pdserve.engine.executor import shm_queue
+
+    if futex:
+        assert shm_queue._FUTEX is not None or not sys.platform.startswith("linux"), "no futex on Linux"
+        monkeypatch.setattr(shm_queue, "FUTEX_NAP_S", 60.0)
+    else:
+        monkeypatch.setattr(shm_queue, "_FUTEX", None)
+    writer = ShmMessageQueue.create(2, max_chunk_bytes=1024, max_chunks=2)
+    readers = [ShmMessageQueue.attach(writer.handle(), r) for r in range(2)]
+    got: list = []
+    try:
+        _ready_all(writer, readers)
+        threads = [threading.Thread(target=lambda r=r: got.extend(r.dequeue() for _ in range(3)), daemon=True)
+                   for r in readers]
+        for t in threads:
+            t.start()
+        for i in range(3):
+            time.sleep(0.1)  # long past the spin and yield phases: the readers are asleep
+            writer.enqueue(i if i != 1 else "y" * 3000)  # the middle one by the socket
+        for t in threads:
+            t.join(timeout=20)
+        assert not any(t.is_alive() for t in threads), "a sleeping reader was not woken"
+        assert sorted(got, key=str) == sorted([0, "y" * 3000, 2] * 2, key=str)
+    finally:
+        for q in [writer, *readers]:
+            q.close()
 
 
 def test_timeouts(queue_factory):
