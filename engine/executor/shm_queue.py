@@ -79,11 +79,12 @@ DEFAULT_MAX_CHUNKS = 16
 # How a waiter waits (see _wait). An engine step takes tens of milliseconds, and this code runs on
 # machines with fewer cores than busy processes (2 cores: an EngineCore, its workers, a frontend):
 #
-# * spin, briefly: catches a peer already running on the other core (a ping-pong reply) at a few
-#   µs. Kept short because when the peer shares our core, spinning only delays it: 100 µs of spin
-#   made a same-core round trip 230 µs instead of ~40;
-# * sched_yield() until YIELD_S: still µs latency for a peer on another core, and hands our core
-#   to a peer waiting for it. This burns up to YIELD_S of CPU per wait (2.5% of a 20 ms step);
+# * spin, a few polls only: when the peer shares our core, spinning just delays it. Measured
+#   1 KB round trips with both processes pinned to one core: ~40 µs with SPIN_S <= 3 µs, ~55 µs
+#   with 10 µs, ~100 µs with 30 µs (230 µs with 100 µs); on two cores all give ~15 µs;
+# * sched_yield() until YIELD_S: as quick as spinning for a peer on another core (the call
+#   returns at once when nothing else wants our core), and hands our core to a peer that needs
+#   it. It burns up to YIELD_S of CPU per wait (2.5% of a 20 ms step);
 # * then sleep. On Linux the sleeps are futex waits on the chunk the reader waits for, and the
 #   writer wakes sleepers when it publishes, so a sleeping reader notices a message one scheduler
 #   wake-up after it arrives (tens of µs on bare metal, ~0.15 ms on our 2-core VM) and costs
@@ -97,7 +98,7 @@ DEFAULT_MAX_CHUNKS = 16
 #
 # Measured on the 2-core VM (benchmarks/bench_queue.py): waiting out 20 ms steps costs ~4% of a
 # core with the futex (mostly the yield phase) and ~6% without; an idle reader well under 1%.
-SPIN_S = 10e-6
+SPIN_S = 3e-6
 YIELD_S = 500e-6
 SLEEP_START_S = 50e-6
 HOT_SLEEP_CAP_S = 500e-6
