@@ -13,6 +13,11 @@ small control messages over the transport itself:
 
 Payloads are bytes objects of 1,000 and 1,000,000 bytes. "pickle" rows send them as objects
 (`enqueue`/`put`/`send(pickle.dumps)`); "bytes" rows send raw bytes (`enqueue_bytes`/`send`).
+The "no futex" row runs the shared-memory queue with PDSERVE_SHM_QUEUE_FUTEX=0 (plain backoff
+sleeps, as on systems without futex), to show what the futex wake-up buys.
+
+Timings on a shared 2-core machine swing with what else runs: a round trip between processes that
+happen to share a core costs several times one between two cores. Compare rows of one run.
 """
 
 from __future__ import annotations
