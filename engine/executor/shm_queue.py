@@ -96,8 +96,9 @@ DEFAULT_MAX_CHUNKS = 16
 #   a message is still noticed within about half a millisecond during a busy wait, and after
 #   IDLE_AFTER_S to IDLE_SLEEP_CAP_S (the first message after an idle spell pays up to that).
 #
-# Measured on the 2-core VM (benchmarks/bench_queue.py): waiting out 20 ms steps costs ~4% of a
-# core with the futex (mostly the yield phase) and ~6% without; an idle reader well under 1%.
+# Measured on the 2-core VM (benchmarks/bench_queue.py): waiting out 20 ms steps costs ~5% of a
+# core with the futex (half of it the yield phase) and ~6.5% without; an idle reader ~0.7% over
+# its first 6 s (the first second at FUTEX_NAP_S), less after.
 SPIN_S = 3e-6
 YIELD_S = 500e-6
 SLEEP_START_S = 50e-6
@@ -112,6 +113,7 @@ _MAGIC = 0x51534450  # "PDSQ"
 _VERSION = 2
 _CONTROL = struct.Struct("<IHHIIQ")  # magic, version, n_readers, max_chunks, pad, max_chunk_bytes
 _CLOSED_OFF = 24
+_WAKES_OFF = 25  # 1 if the writer wakes sleeping readers (it has the futex): only then may they nap long
 _ATTACHED_OFF = 64  # one byte per reader; then, 64-byte aligned, one "asleep" byte per reader
 _HDR = struct.Struct("<B7xQ")  # kind, payload length
 _PICKLE_PREFIX = struct.Struct("<I4xQ")  # out-of-band buffer count, length of the pickle stream
@@ -188,7 +190,9 @@ if not _TSO:
 # the writer stores written = 1, then (full fence) reads the "asleep" bytes and, if any is set,
 # wakes that word. With both fences one of the two must see the other's store, so either the
 # reader finds the message or the writer wakes it; and if the publish lands between the reader's
-# read of the word and its futex wait, the kernel sees the word changed and does not sleep.
+# read of the word and its futex wait, the kernel sees the word changed and does not sleep. The
+# writer's fence is a lock round trip (~0.3 µs) on every message; the wake system call happens
+# only when a reader is actually asleep.
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "loongarch64": 98,
               "ppc64le": 221, "ppc64": 221, "s390x": 238, "i386": 240, "i686": 240, "armv7l": 240}
@@ -406,7 +410,9 @@ class ShmMessageQueue:
             self._slots = [(r + reader_rank, w, d) for w, r, d in zip(layout.written, layout.read, layout.data)]
         # Futex words live in the mapping; ctypes needs their addresses. (The anchor is dropped
         # before the mapping is closed, which an exported buffer would otherwise prevent.)
-        self._futex = _FUTEX
+        # A reader naps on the futex only if this writer will wake it (both normally agree; the
+        # flag keeps a mismatch from turning into 50 ms naps).
+        self._futex = _FUTEX if reader_rank is None or self._buf[_WAKES_OFF] else None
         resources.anchor = ctypes.c_char.from_buffer(self._buf)
         self._base = ctypes.addressof(resources.anchor)
         asleep = layout.asleep
@@ -439,6 +445,7 @@ class ShmMessageQueue:
             shm = shared_memory.SharedMemory(name=f"pdsq_{uuid.uuid4().hex[:16]}", create=True, size=layout.size)
             res.mapping, res.buf = shm, shm.buf
             _CONTROL.pack_into(shm.buf, 0, _MAGIC, _VERSION, n_readers, max_chunks, 0, max_chunk_bytes)
+            shm.buf[_WAKES_OFF] = _FUTEX is not None
             sock = zmq.Context.instance().socket(zmq.XPUB)
             res.socket = sock
             sock.setsockopt(zmq.SNDHWM, 0)

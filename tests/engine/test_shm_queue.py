@@ -342,18 +342,21 @@ def test_cancel_checked_by_a_process_liveness_probe():
         queue.close()
 
 
-@pytest.mark.parametrize("futex", [True, False], ids=["futex", "sleep"])
-def test_a_sleeping_reader_is_woken_by_the_writer(futex, monkeypatch):
+@pytest.mark.parametrize("mode", ["futex", "sleep", "writer-without-futex"])
+def test_a_sleeping_reader_is_woken_by_the_writer(mode, monkeypatch):
     """Readers waiting long enough go to sleep; a message must wake them, not wait for the end of
-    their nap (made a minute long here, so only a wake-up can deliver within the test)."""
+    their nap (made a minute long here, so only a wake-up can deliver within the test). A reader
+    whose writer does not wake sleepers must not take such naps at all."""
     from pdserve.engine.executor import shm_queue
 
-    if futex:
-        assert shm_queue._FUTEX is not None or not sys.platform.startswith("linux"), "no futex on Linux"
-        monkeypatch.setattr(shm_queue, "FUTEX_NAP_S", 60.0)
-    else:
+    futex = shm_queue._FUTEX
+    assert futex is not None or not sys.platform.startswith("linux"), "no futex on Linux"
+    monkeypatch.setattr(shm_queue, "FUTEX_NAP_S", 60.0)
+    if mode != "futex":
         monkeypatch.setattr(shm_queue, "_FUTEX", None)
     writer = ShmMessageQueue.create(2, max_chunk_bytes=1024, max_chunks=2)
+    if mode == "writer-without-futex":
+        monkeypatch.setattr(shm_queue, "_FUTEX", futex)
     readers = [ShmMessageQueue.attach(writer.handle(), r) for r in range(2)]
     got: list[list] = [[], []]
     try:
