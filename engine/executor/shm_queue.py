@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 import weakref
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any, Callable
 
 import msgspec
@@ -392,8 +392,6 @@ class ShmMessageQueue:
 
     def __init__(self, handle: QueueHandle, layout: _Layout, resources: _Resources, reader_rank: int | None):
         self._handle = handle
-        self._layout = layout
-        self._res = resources
         self._buf: memoryview = resources.buf  # type: ignore[assignment]
         self._sock: zmq.Socket = resources.socket  # type: ignore[assignment]
         self._rank = reader_rank
