@@ -343,7 +343,9 @@ def main(argv: list[str]) -> None:
                              "max_chunks": shm_queue.DEFAULT_MAX_CHUNKS},
             "shm_wait": {"spin_s": shm_queue.SPIN_S, "yield_until_s": shm_queue.YIELD_S,
                          "sleep_start_s": shm_queue.SLEEP_START_S, "hot_sleep_cap_s": shm_queue.HOT_SLEEP_CAP_S,
-                         "idle_after_s": shm_queue.IDLE_AFTER_S, "idle_sleep_cap_s": shm_queue.IDLE_SLEEP_CAP_S},
+                         "idle_after_s": shm_queue.IDLE_AFTER_S, "idle_sleep_cap_s": shm_queue.IDLE_SLEEP_CAP_S,
+                         "futex": shm_queue._FUTEX is not None, "futex_nap_s": shm_queue.FUTEX_NAP_S,
+                         "futex_idle_nap_s": shm_queue.FUTEX_IDLE_NAP_S},
             "wall_s": round(time.perf_counter() - started, 1),
         },
     )
