@@ -92,11 +92,6 @@ def register(config: OperatorConfig | None = None, registry: kopf.OperatorRegist
     def connect(memo: kopf.Memo, **_: Any) -> None:
         _client(memo, config)
 
-    @kopf.on.cleanup(registry=registry)
-    def disconnect(memo: kopf.Memo, **_: Any) -> None:
-        if getattr(memo, "client", None) is not None:
-            memo.client.close()
-
     @kopf.on.login(registry=registry)
     def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
         _client(memo, config)

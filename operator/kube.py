@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -104,15 +105,34 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
 
 
 class KubeClient:
+    """Called from kopf's handler threads at once; each thread gets its own connection pool, as
+    one httpx.Client shared between threads has shown closed-socket errors under load."""
+
     def __init__(self, credentials: Credentials, timeout: float = 30.0):
-        config = credentials.configuration
-        cert = (config.cert_file, config.key_file) if config.cert_file else None
         self._credentials = credentials
-        self._http = httpx.Client(base_url=credentials.server, verify=credentials.verify(), cert=cert,
-                                  timeout=timeout)
+        self._timeout = timeout
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._clients_lock = threading.Lock()
+
+    @property
+    def _http(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            config = self._credentials.configuration
+            cert = (config.cert_file, config.key_file) if config.cert_file else None
+            client = httpx.Client(base_url=self._credentials.server, verify=self._credentials.verify(), cert=cert,
+                                  timeout=self._timeout)
+            self._local.client = client
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
 
     def close(self) -> None:
-        self._http.close()
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
 
     def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         headers = {"Accept": "application/json"}

@@ -162,7 +162,8 @@ class Cluster:
         count), of which the given number are ready."""
         for role, ready in role_replicas.items():
             total = ready if pods is None else pods
-            status: dict[str, Any] = {"observedGeneration": 1, "replicas": total, "updatedReplicas": total,
+            generation = (self.get("Deployment", f"{name}-{role}") or {}).get("metadata", {}).get("generation", 1)
+            status: dict[str, Any] = {"observedGeneration": generation, "replicas": total, "updatedReplicas": total,
                                       "readyReplicas": ready, "availableReplicas": ready}
             if conditions is not None:
                 status["conditions"] = conditions
@@ -332,6 +333,14 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Helm's values merge: maps merge key by key, anything else replaces."""
+    for key, value in override.items():
+        base[key] = _deep_merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) \
+            else value
+    return base
+
+
 class HelmLite:
     def __init__(self, chart: Path, release: str = "pdserve", namespace: str = "pdserve-system"):
         meta = yaml.safe_load((chart / "Chart.yaml").read_text())
@@ -344,8 +353,7 @@ class HelmLite:
 
     def render(self, values: dict[str, Any] | None = None) -> dict[str, str]:
         """template file name -> rendered text, with `values` merged over values.yaml."""
-        merged = copy.deepcopy(self.defaults)
-        merged.update(copy.deepcopy(values or {}))
+        merged = _deep_merge(copy.deepcopy(self.defaults), copy.deepcopy(values or {}))
         root = {**self.builtins, "Values": merged}
         return {path.name: self._render_text(path.read_text(), root)
                 for path in sorted((self.chart / "templates").iterdir())}
