@@ -54,6 +54,9 @@ def make_settings() -> kopf.OperatorSettings:
     settings.peering.standalone = True
     # Sync handlers wait on per-resource locks; leave threads for other resources meanwhile.
     settings.execution.max_workers = 16
+    # A timer caught mid-call when its resource is deleted is re-checked this often; kopf's 60 s
+    # default would hold the deletion (through the timer's finalizer) for a minute.
+    settings.background.cancellation_polling = 1.0
     return settings
 
 

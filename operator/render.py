@@ -199,7 +199,7 @@ def _container(isvc: InferenceService, role: str, argv: list[str], ports: list[t
 
 
 def _pod_template(isvc: InferenceService, names: Names, role: str, container: dict[str, Any], *,
-                  grace_seconds: int, volumes: list[dict[str, Any]] = (), pool: Pool | None = None,
+                  grace_seconds: int, volumes: list[dict[str, Any]] | None = None, pool: Pool | None = None,
                   service_account: str | None = None, metrics_port: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "automountServiceAccountToken": service_account is not None,
@@ -209,7 +209,7 @@ def _pod_template(isvc: InferenceService, names: Names, role: str, container: di
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
         "terminationGracePeriodSeconds": grace_seconds,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *(volumes or [])],
     }
     if service_account is not None:
         spec["serviceAccountName"] = service_account

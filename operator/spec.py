@@ -64,10 +64,6 @@ class Pool:
                 return parse_quantity(value)
         return None
 
-    @property
-    def uses_gpus(self) -> bool:
-        return self.gpu or self.user_gpu_count is not None
-
 
 @dataclass(frozen=True)
 class Model:
@@ -143,9 +139,6 @@ class PDRatio:
 
     def decode_for(self, prefill: int) -> int:
         return math.ceil(prefill * self.decode / self.prefill)
-
-    def __str__(self) -> str:
-        return f"{self.prefill}:{self.decode}"
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -270,7 +271,9 @@ def kubeconfig(kmock: km.KubernetesEmulator, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cluster(kmock: km.KubernetesEmulator, kubeconfig: Path, caplog: pytest.LogCaptureFixture) -> Cluster:
-    kmock.resources.load_bundled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # kmock 0.8 reads its bundle with a deprecated API
+        kmock.resources.load_bundled()
     kmock.resources[ISVC] = km.ResourceInfo(
         kind=crd.KIND, singular=crd.SINGULAR, namespaced=True, shortnames=set(crd.SHORT_NAMES),
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status", "scale"})
