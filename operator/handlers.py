@@ -36,8 +36,9 @@ class OperatorConfig:
 
 def make_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
-    # kopf's bookkeeping goes into our annotations, never into status (which the API server owns
-    # through the schema) and never into a finalizer (deletion is left to owner references).
+    # kopf's bookkeeping goes into our annotations, not into status, whose schema has no room for
+    # it. (kopf adds its finalizer only while a timer runs for the resource, i.e. with autoscaling:
+    # deletion itself is left to owner references.)
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     # Only the spec decides what is rendered; labels and annotations (the autoscaler's memory
     # among them) must not count as changes.
@@ -80,14 +81,13 @@ def _report(result: Result | None, body: Any, logger: logging.Logger) -> None:
             kopf.warn(body, reason="InvalidSpec", message=result.invalid)
         logger.warning("invalid spec, nothing applied: %s", result.invalid)
         return
-    changed = [f"{o.action} {o.kind}/{o.name}" for o in result.outcomes if o.action != "unchanged"]
-    changed += [f"deleted {name}" for name in result.deleted]
-    if changed:
-        kopf.info(body, reason="Applied", message=", ".join(changed))
-        logger.info("applied: %s", ", ".join(changed))
+    if result.changes:
+        kopf.info(body, reason="Applied", message=", ".join(result.changes))
+        logger.info("applied: %s", ", ".join(result.changes))
 
 
-def register(config: OperatorConfig | None = None, registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
+def register(config: OperatorConfig | None = None,
+             registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
     config = config or OperatorConfig()
     registry = registry if registry is not None else kopf.OperatorRegistry()
 
@@ -121,9 +121,9 @@ def register(config: OperatorConfig | None = None, registry: kopf.OperatorRegist
         namespace, name, _ = owner
         with memo.locks(namespace, name):
             outcome = deployment_changed(_client(memo, config), body, type == "DELETED", _now())
-        if isinstance(outcome, Result) and outcome.writes:
-            logger.info("restored what %s/%s renders after a change to deployment %s",
-                        namespace, name, body["metadata"]["name"])
+        if isinstance(outcome, Result) and outcome.changes:
+            logger.info("deployment %s had drifted from %s/%s: %s", body["metadata"]["name"], namespace, name,
+                        ", ".join(outcome.changes))
 
     def autoscaled(spec: Any, **_: Any) -> bool:
         return any((spec.get(pool) or {}).get("autoscaling") for pool in ("prefill", "decode"))

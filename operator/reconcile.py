@@ -44,8 +44,10 @@ class Result:
     deleted: tuple[str, ...] = ()
 
     @property
-    def writes(self) -> int:
-        return (sum(o.action != "unchanged" for o in self.outcomes) + bool(self.status_patch) + len(self.deleted))
+    def changes(self) -> list[str]:
+        """What this pass changed in the cluster, besides the status."""
+        return [f"{o.action} {o.kind}/{o.name}" for o in self.outcomes if o.action != "unchanged"] + [
+            f"deleted {name}" for name in self.deleted]
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:

@@ -237,7 +237,7 @@ def _spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             connector=kv["connector"],
             kvstore_capacity=str(kv["kvstore"]["capacity"]),
             kvstore_resources=_quantities(kv["kvstore"].get("resources")),
-            shared_storage=VolumeSource(shared.get("claimName"), shared.get("hostPath")) if shared is not None else None,
+            shared_storage=None if shared is None else VolumeSource(shared.get("claimName"), shared.get("hostPath")),
         ),
         engine=Engine(
             max_model_len=engine["maxModelLen"],

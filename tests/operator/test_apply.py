@@ -23,7 +23,8 @@ def as_stored(manifest: dict) -> dict:
     """What the API server hands back: our fields, its defaults and bookkeeping, quantities canonical."""
     live = copy.deepcopy(manifest)
     live["metadata"].update({"uid": "d1", "resourceVersion": "42", "generation": 3,
-                             "annotations": {LAST_APPLIED: json.dumps(manifest), "deployment.kubernetes.io/revision": "1"}})
+                             "annotations": {LAST_APPLIED: json.dumps(manifest),
+                                             "deployment.kubernetes.io/revision": "1"}})
     spec = live["spec"]
     spec.update({"progressDeadlineSeconds": 600, "revisionHistoryLimit": 10,
                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}})

@@ -190,7 +190,8 @@ def test_too_long_names_are_rejected():
 PYTHON_ONLY_REJECTS = {
     "too few GPUs for TP*DP": (
         _cr(prefill={"tensorParallelSize": 4, "dataParallelSize": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}),
-        "prefill: resources ask for 4 nvidia.com/gpu but tensorParallelSize * dataParallelSize = 4 * 2 needs 8 per pod"),
+        "prefill: resources ask for 4 nvidia.com/gpu but tensorParallelSize * dataParallelSize = 4 * 2 "
+        "needs 8 per pod"),
     "extra args repeat a managed flag": (
         _cr(engine={"extraArgs": ["--enforce-eager", "--port=9000"]}),
         "engine.extraArgs must not set --port: the operator sets it from the spec"),
