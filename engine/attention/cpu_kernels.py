@@ -32,7 +32,7 @@ def _build_name() -> str:
     except OSError:
         flags = platform.processor()
     digest = hashlib.sha256()
-    for part in [flags, torch.__version__, *(s.read_text() for s in SOURCES)]:
+    for part in [flags, torch.__version__, "openmp", *(s.read_text() for s in SOURCES)]:
         digest.update(part.encode())
     return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
 
@@ -53,9 +53,12 @@ def _build(target: Path, verbose: bool) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as build_dir:
+        # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread. torch's
+        # wheel ships libgomp.so.1 under that soname, so linking -fopenmp reuses torch's runtime
+        # (already loaded) instead of adding a second thread pool.
         load_extension(name=_build_name(), sources=[str(s) for s in SOURCES], build_directory=build_dir,
-                       extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], is_python_module=False,
-                       verbose=verbose)
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=verbose)
         os.replace(Path(build_dir) / f"{_build_name()}.so", target)
 
 

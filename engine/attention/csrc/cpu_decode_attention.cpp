@@ -52,6 +52,126 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// Sixteen lanes at a time, widened to float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) = 2^n * 2^f with n = round(x log2 e) and f in [-1/2, 1/2]; 2^f by a degree-6 polynomial
+// (relative error below 2e-7, about one float32 ulp). Large negative x underflows to 0 as it should.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Ask for the next block's rows of this head while the current block is computed: blocks sit
+// anywhere in the cache and a head is a strided quarter of each row, which the hardware
+// prefetcher does not follow, so without this every block starts with a round trip to DRAM.
+template <typename scalar_t, int V>
+inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t c_slot) {
+  constexpr int64_t lines = (16 * V * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  for (int64_t s = 0; s < rows; ++s)
+    for (int64_t l = 0; l < lines; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(block + s * c_slot) + 64 * l, _MM_HINT_T0);
+}
+
+// One (request, KV head): its `group` query heads against `len` cached positions. V is the
+// head size in 16-lane vectors, fixed at compile time so the row lives in registers.
+template <typename scalar_t, int V>
+void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
+                  int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot, float scale, int64_t group,
+                  float* scores, float* acc, scalar_t* o, int64_t o_head) {
+  constexpr int D = 16 * V;
+  __m512 qv[8][V];  // group <= 8 takes this path (the caller checks)
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < V; ++v)
+      qv[g][v] = _mm512_mul_ps(load16(q + g * q_head + 16 * v), _mm512_set1_ps(scale));
+
+  // Scores, block by block: no division per position.
+  int64_t p = 0;
+  for (int64_t b = 0; p < len; ++b) {
+    const int64_t rows = std::min(block_size, len - p);
+    const scalar_t* kb = kc + table[b] * c_block;
+    if (p + rows < len) prefetch_block<scalar_t, V>(kc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
+    for (int64_t s = 0; s < rows; ++s, ++p) {
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) k[v] = load16(kb + s * c_slot + 16 * v);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 sum = _mm512_mul_ps(qv[g][0], k[0]);
+        for (int v = 1; v < V; ++v) sum = _mm512_fmadd_ps(qv[g][v], k[v], sum);
+        scores[g * len + p] = _mm512_reduce_add_ps(sum);
+      }
+    }
+  }
+
+  // Softmax of each query head's row, sixteen scores at a time.
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; i < len; ++i) m = std::max(m, s[i]);
+    __m512 total = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (i = 0; i + 16 <= len; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+      _mm512_storeu_ps(s + i, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (i < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - i)) - 1u);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), mv));
+      _mm512_mask_storeu_ps(s + i, tail, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    for (i = 0; i < len; ++i) s[i] *= inv;
+  }
+
+  // Weighted sum of values, accumulators in registers.
+  prefetch_block<scalar_t, V>(vc + table[0] * c_block, std::min(block_size, len), c_slot);
+  __m512 out[8][V];
+  for (int64_t g = 0; g < group; ++g)
+    for (int v = 0; v < V; ++v) out[g][v] = _mm512_setzero_ps();
+  p = 0;
+  for (int64_t b = 0; p < len; ++b) {
+    const int64_t rows = std::min(block_size, len - p);
+    const scalar_t* vb = vc + table[b] * c_block;
+    if (p + rows < len) prefetch_block<scalar_t, V>(vc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
+    for (int64_t s = 0; s < rows; ++s, ++p) {
+      __m512 val[V];
+      for (int v = 0; v < V; ++v) val[v] = load16(vb + s * c_slot + 16 * v);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * len + p]);
+        for (int v = 0; v < V; ++v) out[g][v] = _mm512_fmadd_ps(w, val[v], out[g][v]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, out[g][v]);
+    store_row(acc, o + g * o_head, D);
+  }
+}
+#endif  // __AVX512F__
+
 template <typename scalar_t>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -73,7 +193,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
   const int64_t q_req = query.stride(0), q_head = query.stride(1);
   const int64_t o_req = out.stride(0), o_head = out.stride(1);
   const int64_t c_block = key_cache.stride(0), c_slot = key_cache.stride(1), c_head = key_cache.stride(2);
-  const int64_t max_len = seq_lens.max().item<int32_t>();
+  const int64_t max_len = *std::max_element(lens, lens + num_reqs);
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -83,11 +203,30 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = lens[r];
       const int32_t* table = tables + r * max_blocks;
+      const scalar_t* q_rows = q + r * q_req + h * group * q_head;
+      scalar_t* o_rows = o + r * o_req + h * group * o_head;
+#if defined(__AVX512F__)
+      if (group <= 8 && head_dim % 16 == 0) {
+        const scalar_t* k_head = kc + h * c_head;
+        const scalar_t* v_head = vc + h * c_head;
+        switch (head_dim / 16) {
+#define PDSERVE_ATTEND(V)                                                                                           \
+  case V:                                                                                                           \
+    attend_group<scalar_t, V>(q_rows, q_head, k_head, v_head, table, len, block_size, c_block, c_slot, fscale, group, \
+                              scores.data(), acc.data(), o_rows, o_head);                                          \
+    continue;
+          PDSERVE_ATTEND(2) PDSERVE_ATTEND(4) PDSERVE_ATTEND(6) PDSERVE_ATTEND(8) PDSERVE_ATTEND(16)
+#undef PDSERVE_ATTEND
+          default:
+            break;
+        }
+      }
+#endif
+      // Portable path: any head size, any group, any CPU.
       for (int64_t g = 0; g < group; ++g) {
-        load_row(q + r * q_req + (h * group + g) * q_head, qf.data() + g * head_dim, head_dim);
+        load_row(q_rows + g * q_head, qf.data() + g * head_dim, head_dim);
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= fscale;
       }
-      // Scores: each key row is widened once and dotted with every query head of the group.
       for (int64_t p = 0; p < len; ++p) {
         const scalar_t* k = kc + table[p / block_size] * c_block + (p % block_size) * c_slot + h * c_head;
         load_row(k, row.data(), head_dim);
@@ -111,8 +250,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
         load_row(v, row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + p], row.data(), acc.data() + g * head_dim, head_dim);
       }
-      for (int64_t g = 0; g < group; ++g)
-        store_row(acc.data() + g * head_dim, o + r * o_req + (h * group + g) * o_head, head_dim);
+      for (int64_t g = 0; g < group; ++g) store_row(acc.data() + g * head_dim, o_rows + g * o_head, head_dim);
     }
   });
 }
