@@ -20,14 +20,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/pdserve \
     PATH=/opt/pdserve/bin:$PATH
 
-# CUDA bases have no Python; the default base does. A virtualenv keeps pip away from the
-# distribution's own packages on either. The uid matches the pods' securityContext.
+# A C++ compiler: the engine compiles its CPU attention kernel for the node's own CPU on first
+# start (-march=native cannot be decided at image build time), and Triton compiles its launcher
+# on GPUs. CUDA bases have no Python; the default base does. A virtualenv keeps pip away from
+# the distribution's own packages on either. The uid matches the pods' securityContext.
 # hadolint ignore=DL3008
-RUN if ! command -v python3 >/dev/null; then \
-        apt-get update \
-        && apt-get install -y --no-install-recommends python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then \
+        apt-get install -y --no-install-recommends python3 python3-dev python3-venv; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv "${VIRTUAL_ENV}" \
     && groupadd --gid 10001 pdserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve

@@ -27,6 +27,42 @@ def _cols(loaded: Any, start: int, size: int) -> torch.Tensor:
     return loaded[:, start:start + size]
 
 
+# Batch sizes (rows of x) at which oneDNN's prepacked weights beat plain F.linear, measured on
+# AVX-512 CPUs: fp32 gains 1.4-2.5x for small batches and loses on one row and on big prefills;
+# bf16 gains nearly everywhere.
+PACKED_ROWS = {torch.float32: (2, 384), torch.bfloat16: (1, 1 << 30)}
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    return (dtype in PACKED_ROWS and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in oneDNN's blocked layout (CPU only), or None where that is not available."""
+    if weight.device.type != "cpu" or not packing_supported(weight.dtype):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        low, high = PACKED_ROWS[weight.dtype]
+        if low <= x.shape[0] <= high:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_model_weights(model: nn.Module) -> int:
+    """Prepack every linear layer's weight for the CPU; returns how many were packed."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.packed_weight = pack_weight(module.weight)
+            count += module.packed_weight is not None
+    return count
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}")
@@ -60,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
         self.weight.weight_loader = self.load_rows  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self.load_rows  # type: ignore[attr-defined]
@@ -69,7 +106,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, _rows(loaded, self.tp_rank * size, size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,6 +173,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
         self.weight.weight_loader = self.load_cols  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = lambda p, loaded, shard=None: _copy(p.data, loaded[:], "row-parallel bias")
@@ -144,7 +182,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, _cols(loaded, self.tp_rank * self.in_per_rank, self.in_per_rank), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -179,8 +217,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split by rows like the embedding it may share weights with."""
 
+    packed_weight: torch.Tensor | None = None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, None, self.packed_weight)
         return all_gather_last_dim(local)[..., :self.vocab_size]
 
 

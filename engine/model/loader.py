@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.model.layers import pack_model_weights
 from pdserve.engine.model.llama import MODEL_CLASSES
 
 log = logging.getLogger("pdserve.engine.loader")
@@ -65,5 +67,9 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {sorted(missing)[:8]}")
     model.eval()
+    if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
+        packed = pack_model_weights(model)
+        if packed:
+            log.info("prepacked %d weight matrices for the CPU", packed)
     log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
     return model
