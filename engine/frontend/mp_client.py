@@ -189,11 +189,12 @@ class SyncMPClient(MPClientBase, EngineCoreClient):
 
     def _receive(self) -> EngineCoreOutputs:
         while True:
-            self._check()
-            if self.poller.poll(100):
+            # Read what the engine sent before it died (e.g. the last outputs of a drain) first.
+            if self.poller.poll(0 if self.dead else 100):
                 outputs = self._decode_outputs(self.output_socket.recv_multipart(copy=False))
                 if outputs is not None:
                     return outputs
+            self._check()
 
     def get_output(self) -> EngineCoreOutputs:
         if self.pending:
@@ -233,16 +234,20 @@ class AsyncMPClient(MPClientBase):
             self.loop = asyncio.get_running_loop()
             self.outputs_queue = asyncio.Queue()
             self._reader = self.loop.create_task(self._read_outputs(), name="engine-output-reader")
-            if self.dead:
-                self._on_dead()
 
     async def _read_outputs(self) -> None:
         assert self.outputs_queue is not None
-        while not self.dead:
-            frames = await self.async_output.recv_multipart(copy=False)
-            outputs = self._decode_outputs(frames)
+        while True:
+            # Poll with a timeout so a death is noticed while idle, but only once the socket is
+            # empty: outputs the engine sent before dying still reach their requests.
+            if not await self.async_output.poll(timeout=100):
+                if self.dead:
+                    self._fail_waiters()
+                    return
+                continue
+            outputs = self._decode_outputs(await self.async_output.recv_multipart(copy=False))
             if outputs is None:
-                break
+                continue
             if outputs.utility_output is not None:
                 future = self.utility_futures.pop(outputs.utility_output.call_id, None)
                 if future is not None and not future.done():
@@ -251,21 +256,14 @@ class AsyncMPClient(MPClientBase):
                     continue
             self.outputs_queue.put_nowait(outputs)
 
-    def _on_dead(self) -> None:
-        loop = self.loop
-        if loop is None or loop.is_closed():
-            return
-
-        def fail_waiters() -> None:
-            error = EngineDeadError(self.dead_reason)
-            if self.outputs_queue is not None:
-                self.outputs_queue.put_nowait(error)
-            for future in self.utility_futures.values():
-                if not future.done():
-                    future.set_exception(error)
-            self.utility_futures.clear()
-
-        loop.call_soon_threadsafe(fail_waiters)
+    def _fail_waiters(self) -> None:
+        error = EngineDeadError(self.dead_reason)
+        if self.outputs_queue is not None:
+            self.outputs_queue.put_nowait(error)
+        for future in self.utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self.utility_futures.clear()
 
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()

@@ -85,3 +85,33 @@ def test_offline_llm_with_the_core_in_a_background_process(model_dir):
     finally:
         llm.shutdown()
     assert not proc.is_alive() and proc.exitcode == 0
+
+
+def test_sigterm_to_the_engine_core_finishes_in_flight_requests_and_refuses_new_ones(model_dir):
+    import os
+    import signal
+
+    from pdserve.engine.config import EngineArgs
+    from pdserve.engine.frontend.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=model_dir("llama"), dtype="float32"), multiprocess=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        for i in range(3):
+            engine.add_request(f"r{i}", f"request number {i}", params)
+        while not engine.step():  # wait until generation is under way
+            pass
+        os.kill(engine.client.proc.pid, signal.SIGTERM)
+        engine.add_request("late", "too late", params)
+        finished = {}
+        while len(finished) < 4:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0]
+        assert {i: (o.finish_reason, len(o.token_ids)) for i, o in finished.items() if i != "late"} == \
+            {f"r{i}": ("length", 40) for i in range(3)}
+        assert finished["late"].finish_reason == "abort" and finished["late"].token_ids == []
+        engine.client.proc.join(30)
+        assert engine.client.proc.exitcode == 0
+    finally:
+        engine.shutdown()
