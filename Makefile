@@ -29,7 +29,11 @@ test: install
 serve: install
 	$(VENV)/bin/pdserve up --model demo
 
-bench: install
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PIP) install -e '.[dev,bench]' 2>&1 | { grep -v 'is ignored' || true; }
+	touch $@
+
+bench: install $(VENV)/.bench-installed
 	env -u PYTHONSAFEPATH PDSERVE_BENCH_DIR=$(CURDIR)/bench-results $(PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
