@@ -567,12 +567,7 @@ class ShmMessageQueue:
                     buf[pos:pos + r.nbytes] = r
                     pos += r.nbytes
                 _HDR.pack_into(buf, data, _PICKLE, pos - start)
-                if _NEEDS_FENCE:
-                    _lock_fence()  # the payload is visible before the flag that publishes it
-                buf[written] = 1
-                if self._futex is not None:
-                    self._wake_sleepers(written)
-                self._advance()
+                self._publish(written)
                 return
             stream = bytes(buf[body:pos])
         else:
@@ -582,12 +577,7 @@ class ShmMessageQueue:
         # to the caller, who may change them as soon as we return: copied.
         self._send_remote([stream, *raws], [False] + [True] * len(raws))
         _HDR.pack_into(buf, data, _REMOTE_PICKLE, len(stream) + sum(r.nbytes for r in raws))
-        if _NEEDS_FENCE:
-            _lock_fence()
-        buf[written] = 1
-        if self._futex is not None:
-            self._wake_sleepers(written)
-        self._advance()
+        self._publish(written)
 
     def enqueue_bytes(self, data: bytes | bytearray | memoryview, timeout: float | None = None,
                       cancel: Callable[[], bool] | None = None) -> None:
@@ -604,9 +594,13 @@ class ShmMessageQueue:
         else:
             self._send_remote([view], [not immutable])
             _HDR.pack_into(buf, offset, _REMOTE_RAW, n)
+        self._publish(written)
+
+    def _publish(self, written: int) -> None:
+        """Flag the claimed chunk as written, wake sleeping readers, move to the next chunk."""
         if _NEEDS_FENCE:
             _lock_fence()  # the payload is visible before the flag that publishes it
-        buf[written] = 1
+        self._buf[written] = 1
         if self._futex is not None:
             self._wake_sleepers(written)
         self._advance()
