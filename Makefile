@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 # torch first and pinned: the CPU wheel is served locally; any other spec pulls CUDA wheels.
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install torch==2.13.0 2>&1 | { grep -v 'is ignored' || true; }
+	$(PIP) install torch==2.13.0 numpy 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	$(PIP) install -e '.[dev]' 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -m pdserve.engine.attention.cpu_kernels
