@@ -220,14 +220,15 @@ class AsyncMPClient(MPClientBase):
     """For the server: asyncio calls; outputs arrive through `get_output_async`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
-        # The sockets are made synchronous for the handshake; shadows drive them from asyncio.
-        self.input_socket = zmq.asyncio.Socket.shadow(self._sync_input.underlying)
-        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
+        # Set before the engine starts: a failed start calls shutdown(), which reads them.
         self.outputs_queue: asyncio.Queue | None = None
         self.utility_futures: dict[int, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None
+        super().__init__(config)
+        # The sockets are made synchronous for the handshake; shadows drive them from asyncio.
+        self.input_socket = zmq.asyncio.Socket.shadow(self._sync_input.underlying)
+        self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)
 
     def _ensure_reader(self) -> None:
         if self._reader is None:

@@ -6,6 +6,7 @@ reads only its own rows or columns from disk.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -33,9 +34,21 @@ def _cols(loaded: Any, start: int, size: int) -> torch.Tensor:
 PACKED_ROWS = {torch.float32: (2, 384), torch.bfloat16: (1, 1 << 30)}
 
 
+@functools.cache
 def packing_supported(dtype: torch.dtype) -> bool:
-    return (dtype in PACKED_ROWS and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether oneDNN can prepack `dtype` weights on this CPU.
+
+    Asked by doing it once on a tiny matrix: the bf16 path needs AVX-512 (or AVX-NE-CONVERT) and
+    raises on plain AVX2 CPUs, and no flag torch exposes names exactly that requirement.
+    """
+    if not (dtype in PACKED_ROWS and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 64)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

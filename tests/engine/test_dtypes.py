@@ -1,0 +1,70 @@
+"""bfloat16 on whatever CPU runs the tests, and how `dtype="auto"` chooses.
+
+The parity tests run in float32; these make sure the half-precision path loads and computes the
+same function on CPUs with and without native bf16 (AVX2-only machines cannot prepack bf16
+weights and must fall back to plain matmuls instead of failing).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineArgs, cpu_has_native_bf16
+from pdserve.engine.demo import build_random_model
+from pdserve.engine.model.layers import packing_supported
+
+from support.hf_reference import hf_next_token_logits, load_hf_model
+
+# bf16 keeps 8 bits of mantissa: logits of size ~10 carry errors of a few hundredths.
+BF16_LOGPROB_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("pack", ["1", "0"])
+def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pack):
+    monkeypatch.setenv("PDSERVE_PACK_WEIGHTS", pack)
+    path = model_dir("llama")
+    hf = load_hf_model(path)
+    llm = LLM(path, dtype="bfloat16")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in (5, 17, 40, 90)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        context = list(prompt)
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 8
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            reference = torch.log_softmax(hf_next_token_logits(hf, context), -1)
+            # Greedy in bf16 picks the float32 argmax, or a token tied with it within bf16 error.
+            assert reference.max().item() - reference[token].item() < BF16_LOGPROB_TOLERANCE
+            assert abs(entry[token].logprob - reference[token].item()) < BF16_LOGPROB_TOLERANCE
+            context.append(token)
+
+
+def test_packing_support_is_probed_not_assumed():
+    assert packing_supported(torch.float32) in (True, False)
+    if not cpu_has_native_bf16() and not torch.cpu._is_avx512_supported():
+        assert packing_supported(torch.bfloat16) is False
+    assert packing_supported(torch.float16) is False  # never packed: not in the measured table
+
+
+def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_natively(tmp_path):
+    half = build_random_model(tmp_path / "bf16", arch="llama", hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="bfloat16")
+    full = build_random_model(tmp_path / "fp32", arch="llama", hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="float32")
+    expected_half = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert EngineArgs(model=str(half), device="cpu").create_engine_config().model.dtype == expected_half
+    assert EngineArgs(model=str(full), device="cpu").create_engine_config().model.dtype == torch.float32
+    # An explicit choice is always honoured.
+    assert EngineArgs(model=str(full), device="cpu", dtype="bfloat16").create_engine_config().model.dtype == torch.bfloat16
+
+
+def test_the_demo_model_generates_with_the_default_dtype():
+    llm = LLM("demo")
+    out = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
