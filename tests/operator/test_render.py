@@ -49,7 +49,7 @@ SPECS = {
         router={"replicas": 2, "port": 9000, "routingPolicy": "round-robin",
                 "apiKeySecret": {"name": "llm-keys"}, "resources": {"requests": {"cpu": "500m"}}},
         engine={"maxModelLen": 8192, "blockSize": 32, "maxNumSeqs": 64, "enablePrefixCaching": False,
-                "extraArgs": ["--enforce-eager", "--seed=7"]},
+                "extraArgs": ["--long-prefill-token-threshold=512", "--seed=7"]},
         decode={"env": [{"name": "NCCL_DEBUG", "value": "INFO"},
                         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]}),
     "host paths, load balancer, pull secrets": isvc(
@@ -149,6 +149,20 @@ def test_engine_command_lines():
     assert {"name": "kv-transfer", "containerPort": 5600, "protocol": "TCP"} in prefill["ports"]
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_engine_command_lines_are_accepted_by_pdserve_serve(name):
+    """The operator spells the engine's flags out by hand; the real CLI parser must take them."""
+    from pdserve.cli import build_parser
+
+    deployments = by_kind(render(SPECS[name]), "Deployment")
+    for role in ("prefill", "decode"):
+        args = container(deployments[f"llama-{role}"])["args"]
+        parsed = build_parser(args).parse_args(args)
+        assert parsed.engine_role == role
+        assert parsed.port == int(flag(args, "--port"))
+        assert parsed.kv_transfer_config == json.loads(flag(args, "--kv-transfer-config"))
+
+
 def test_engine_settings_and_extra_args():
     deployments = by_kind(render(SPECS["model and KV files on PVCs, API key, extras"]), "Deployment")
     args = container(deployments["llama-decode"])["args"]
@@ -156,7 +170,7 @@ def test_engine_settings_and_extra_args():
     assert (flag(args, "--max-model-len"), flag(args, "--block-size"), flag(args, "--max-num-seqs")) == (
         "8192", "32", "64")
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
-    assert args[-2:] == ["--enforce-eager", "--seed=7"]
+    assert args[-2:] == ["--long-prefill-token-threshold=512", "--seed=7"]
     assert json.loads(flag(args, "--kv-transfer-config")) == {
         "kv_connector": "shared-storage", "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"shared_storage_path": "/kv-shared"}}
