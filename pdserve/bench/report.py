@@ -38,6 +38,34 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_info() -> dict[str, Any]:
+    """What a result depends on: on CPUs the vector extensions decide bf16 speed by several times."""
+    info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                            "platform": platform.platform(), "cpu": _cpu_model()}
+    try:
+        import torch
+
+        from pdserve.engine.config import cpu_has_native_bf16
+    except ImportError:
+        return info
+    info["torch"] = torch.__version__
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["native_bf16"] = cpu_has_native_bf16()
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
 def write_report(name: str, rows: Sequence[dict[str, Any]], *, title: str, meta: dict[str, Any] | None = None,
                  columns: Sequence[str] | None = None) -> Path:
     """Print `rows` as a table under `title` and write them with `meta` to bench-results/<name>.json."""
@@ -49,7 +77,7 @@ def write_report(name: str, rows: Sequence[dict[str, Any]], *, title: str, meta:
         "benchmark": name,
         "title": title,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_info(),
         "meta": meta or {},
         "rows": list(rows),
     }
