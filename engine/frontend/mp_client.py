@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for_processes
 from typing import Any
 

@@ -192,7 +192,6 @@ class ModelRunner:
         return time.perf_counter()
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
-        n = len(states)
         dev = self.device
         params = [s.params for s in states]
         greedy = [p.greedy for p in params]

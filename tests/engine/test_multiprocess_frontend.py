@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import numpy as np
 import torch
 

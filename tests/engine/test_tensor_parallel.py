@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,6 +24,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerStartupError
 
+from support.checkpoints import truncated_checkpoint
 from support.hf_reference import hf_greedy, load_hf_model
 
 PROMPT_LENGTHS = [1, 7, 15, 16, 17, 40, 64, 130]
@@ -172,12 +172,7 @@ def test_collective_rpc_replies_errors_and_futures(llama_tp2):
 
 
 def test_worker_startup_failure_is_reported_with_its_traceback(model_dir, tmp_path):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in Path(model_dir("llama")).iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    shard = next(broken.glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[:4096])  # a truncated checkpoint: every rank fails to load it
+    broken = truncated_checkpoint(model_dir("llama"), tmp_path / "broken")  # every rank fails to load it
     config = EngineArgs(model=str(broken), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()

@@ -8,11 +8,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from support.checkpoints import truncated_checkpoint
 from support.server import free_port, run_server
 
 STREAM = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
@@ -140,12 +140,7 @@ def test_a_worker_dying_while_idle_turns_health_503(model_dir, tmp_path):
 
 
 def test_a_model_that_fails_to_load_ends_the_server_with_the_engine_error(model_dir, tmp_path):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in Path(model_dir("llama")).iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    shard = next(broken.glob("*.safetensors"))
-    shard.write_bytes(shard.read_bytes()[:4096])  # truncated: the engine core cannot load it
+    broken = truncated_checkpoint(model_dir("llama"), tmp_path / "broken")  # the engine core cannot load it
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", str(broken), "--port", str(free_port())]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONSAFEPATH="1"))
     output = done.stdout + done.stderr

@@ -52,125 +52,181 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 
+// The fast path works on float32 vectors of Vec::L lanes: 16 with AVX-512, 8 with AVX2 + FMA
+// (AMD EPYC before Zen 4, older Xeons). The algorithm is the same; only these primitives differ.
 #if defined(__AVX512F__)
+#define PDSERVE_SIMD 1
 #include <immintrin.h>
 
-// Sixteen lanes at a time, widened to float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+struct Vec {
+  using T = __m512;
+  static constexpr int L = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const at::BFloat16* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static T load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_add(T x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // y * 2^n for integral n in [-126, 0]
+  static T scale2(T y, T n) { return _mm512_scalef_ps(y, n); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_SIMD 1
+#include <immintrin.h>
 
-// exp(x) = 2^n * 2^f with n = round(x log2 e) and f in [-1/2, 1/2]; 2^f by a degree-6 polynomial
-// (relative error below 2e-7, about one float32 ulp). Large negative x underflows to 0 as it should.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
+struct Vec {
+  using T = __m256;
+  static constexpr int L = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const at::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static T load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(T x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(T x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // y * 2^n for integral n in [-126, 0]: n goes straight into the exponent bits.
+  static T scale2(T y, T n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  }
+};
+#endif
+
+#if defined(PDSERVE_SIMD)
+// exp(x) for x <= 0 = 2^n * 2^f with n = round(x log2 e) and f in [-1/2, 1/2]; 2^f by a degree-6
+// polynomial (relative error below 2e-7, about one float32 ulp). Below -87 it underflows to ~0.
+inline Vec::T vexp(Vec::T x) {
+  const Vec::T t = Vec::mul(Vec::max(x, Vec::set1(-87.f)), Vec::set1(1.4426950408889634f));
+  const Vec::T n = Vec::round(t);
+  const Vec::T f = Vec::sub(t, n);
+  Vec::T y = Vec::set1(1.5403530393381606e-4f);
+  y = Vec::fmadd(y, f, Vec::set1(1.3333558146428443e-3f));
+  y = Vec::fmadd(y, f, Vec::set1(9.6181291076284772e-3f));
+  y = Vec::fmadd(y, f, Vec::set1(5.5504108664821580e-2f));
+  y = Vec::fmadd(y, f, Vec::set1(2.4022650695910071e-1f));
+  y = Vec::fmadd(y, f, Vec::set1(6.9314718055994531e-1f));
+  y = Vec::fmadd(y, f, Vec::set1(1.f));
+  return Vec::scale2(y, n);
 }
 
 // Ask for the next block's rows of this head while the current block is computed: blocks sit
-// anywhere in the cache and a head is a strided quarter of each row, which the hardware
+// anywhere in the cache and a head is a strided part of each row, which the hardware
 // prefetcher does not follow, so without this every block starts with a round trip to DRAM.
-template <typename scalar_t, int V>
+template <typename scalar_t, int D>
 inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t c_slot) {
-  constexpr int64_t lines = (16 * V * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   for (int64_t s = 0; s < rows; ++s)
     for (int64_t l = 0; l < lines; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(block + s * c_slot) + 64 * l, _MM_HINT_T0);
 }
 
-// One (request, KV head): its `group` query heads against `len` cached positions. V is the
-// head size in 16-lane vectors, fixed at compile time so the row lives in registers.
-template <typename scalar_t, int V>
+// One (request, KV head): its `group` query heads against `len` cached positions. The head size
+// D is fixed at compile time, so a row is V whole vectors held in registers.
+template <typename scalar_t, int D>
 void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
                   int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot, float scale, int64_t group,
                   float* scores, float* acc, scalar_t* o, int64_t o_head) {
-  constexpr int D = 16 * V;
-  __m512 qv[8][V];  // group <= 8 takes this path (the caller checks)
+  constexpr int V = D / Vec::L;
+  static_assert(V * Vec::L == D, "head size must be whole vectors");
+  Vec::T qv[8][V];  // group <= 8 takes this path (the caller checks)
   for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < V; ++v)
-      qv[g][v] = _mm512_mul_ps(load16(q + g * q_head + 16 * v), _mm512_set1_ps(scale));
+    for (int v = 0; v < V; ++v) qv[g][v] = Vec::mul(Vec::load(q + g * q_head + Vec::L * v), Vec::set1(scale));
 
   // Scores, block by block: no division per position.
   int64_t p = 0;
   for (int64_t b = 0; p < len; ++b) {
     const int64_t rows = std::min(block_size, len - p);
     const scalar_t* kb = kc + table[b] * c_block;
-    if (p + rows < len) prefetch_block<scalar_t, V>(kc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
+    if (p + rows < len) prefetch_block<scalar_t, D>(kc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
     for (int64_t s = 0; s < rows; ++s, ++p) {
-      __m512 k[V];
-      for (int v = 0; v < V; ++v) k[v] = load16(kb + s * c_slot + 16 * v);
+      Vec::T k[V];
+      for (int v = 0; v < V; ++v) k[v] = Vec::load(kb + s * c_slot + Vec::L * v);
       for (int64_t g = 0; g < group; ++g) {
-        __m512 sum = _mm512_mul_ps(qv[g][0], k[0]);
-        for (int v = 1; v < V; ++v) sum = _mm512_fmadd_ps(qv[g][v], k[v], sum);
-        scores[g * len + p] = _mm512_reduce_add_ps(sum);
+        Vec::T sum = Vec::mul(qv[g][0], k[0]);
+        for (int v = 1; v < V; ++v) sum = Vec::fmadd(qv[g][v], k[v], sum);
+        scores[g * len + p] = Vec::reduce_add(sum);
       }
     }
   }
 
-  // Softmax of each query head's row, sixteen scores at a time.
+  // Softmax of each query head's row, a vector of scores at a time; the ragged tail in scalars.
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    Vec::T mx = Vec::set1(-std::numeric_limits<float>::infinity());
     int64_t i = 0;
-    for (; i + 16 <= len; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
-    float m = _mm512_reduce_max_ps(mx);
+    for (; i + Vec::L <= len; i += Vec::L) mx = Vec::max(mx, Vec::load(s + i));
+    float m = Vec::reduce_max(mx);
     for (; i < len; ++i) m = std::max(m, s[i]);
-    __m512 total = _mm512_setzero_ps();
-    const __m512 mv = _mm512_set1_ps(m);
-    for (i = 0; i + 16 <= len; i += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
-      _mm512_storeu_ps(s + i, e);
-      total = _mm512_add_ps(total, e);
+    Vec::T total = Vec::zero();
+    const Vec::T mv = Vec::set1(m);
+    for (i = 0; i + Vec::L <= len; i += Vec::L) {
+      const Vec::T e = vexp(Vec::sub(Vec::load(s + i), mv));
+      Vec::store(s + i, e);
+      total = Vec::add(total, e);
     }
-    if (i < len) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (len - i)) - 1u);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), mv));
-      _mm512_mask_storeu_ps(s + i, tail, e);
-      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    float sum = Vec::reduce_add(total);
+    for (; i < len; ++i) {
+      s[i] = std::exp(s[i] - m);
+      sum += s[i];
     }
-    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    const float inv = 1.f / sum;
     for (i = 0; i < len; ++i) s[i] *= inv;
   }
 
   // Weighted sum of values, accumulators in registers.
-  prefetch_block<scalar_t, V>(vc + table[0] * c_block, std::min(block_size, len), c_slot);
-  __m512 out[8][V];
+  prefetch_block<scalar_t, D>(vc + table[0] * c_block, std::min(block_size, len), c_slot);
+  Vec::T out[8][V];
   for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < V; ++v) out[g][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) out[g][v] = Vec::zero();
   p = 0;
   for (int64_t b = 0; p < len; ++b) {
     const int64_t rows = std::min(block_size, len - p);
     const scalar_t* vb = vc + table[b] * c_block;
-    if (p + rows < len) prefetch_block<scalar_t, V>(vc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
+    if (p + rows < len) prefetch_block<scalar_t, D>(vc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
     for (int64_t s = 0; s < rows; ++s, ++p) {
-      __m512 val[V];
-      for (int v = 0; v < V; ++v) val[v] = load16(vb + s * c_slot + 16 * v);
+      Vec::T val[V];
+      for (int v = 0; v < V; ++v) val[v] = Vec::load(vb + s * c_slot + Vec::L * v);
       for (int64_t g = 0; g < group; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * len + p]);
-        for (int v = 0; v < V; ++v) out[g][v] = _mm512_fmadd_ps(w, val[v], out[g][v]);
+        const Vec::T w = Vec::set1(scores[g * len + p]);
+        for (int v = 0; v < V; ++v) out[g][v] = Vec::fmadd(w, val[v], out[g][v]);
       }
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, out[g][v]);
+    for (int v = 0; v < V; ++v) Vec::store(acc + Vec::L * v, out[g][v]);
     store_row(acc, o + g * o_head, D);
   }
 }
-#endif  // __AVX512F__
+#endif  // PDSERVE_SIMD
 
 template <typename scalar_t>
 void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -205,17 +261,17 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       const int32_t* table = tables + r * max_blocks;
       const scalar_t* q_rows = q + r * q_req + h * group * q_head;
       scalar_t* o_rows = o + r * o_req + h * group * o_head;
-#if defined(__AVX512F__)
-      if (group <= 8 && head_dim % 16 == 0) {
+#if defined(PDSERVE_SIMD)
+      if (group <= 8 && head_dim % Vec::L == 0) {
         const scalar_t* k_head = kc + h * c_head;
         const scalar_t* v_head = vc + h * c_head;
-        switch (head_dim / 16) {
-#define PDSERVE_ATTEND(V)                                                                                           \
-  case V:                                                                                                           \
-    attend_group<scalar_t, V>(q_rows, q_head, k_head, v_head, table, len, block_size, c_block, c_slot, fscale, group, \
+        switch (head_dim) {
+#define PDSERVE_ATTEND(D)                                                                                           \
+  case D:                                                                                                           \
+    attend_group<scalar_t, D>(q_rows, q_head, k_head, v_head, table, len, block_size, c_block, c_slot, fscale, group, \
                               scores.data(), acc.data(), o_rows, o_head);                                          \
     continue;
-          PDSERVE_ATTEND(2) PDSERVE_ATTEND(4) PDSERVE_ATTEND(6) PDSERVE_ATTEND(8) PDSERVE_ATTEND(16)
+          PDSERVE_ATTEND(16) PDSERVE_ATTEND(32) PDSERVE_ATTEND(64) PDSERVE_ATTEND(96) PDSERVE_ATTEND(128) PDSERVE_ATTEND(256)
 #undef PDSERVE_ATTEND
           default:
             break;
