@@ -34,6 +34,9 @@ from pdserve.engine.serial import MsgpackDecoder, MsgpackEncoder
 log = logging.getLogger("pdserve.engine.client")
 
 STARTUP_TIMEOUT_S = float(os.environ.get("PDSERVE_ENGINE_STARTUP_TIMEOUT", "900"))
+# The process sentinel fires before zmq's I/O thread has handed over the last frames a dying
+# engine flushed (its sockets linger), so readers keep polling this long after a death.
+DEATH_GRACE_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -52,6 +55,7 @@ class MPClientBase:
         self.engine_identity = engine_index.to_bytes(2, "little")
         self.dead = False
         self.dead_reason = ""
+        self.dead_at = 0.0
         self._closed = False
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
@@ -124,6 +128,7 @@ class MPClientBase:
 
     def _mark_dead(self, reason: str) -> None:
         if not self.dead:
+            self.dead_at = time.monotonic()
             self.dead = True
             self.dead_reason = reason
             log.error("engine core is dead: %s", reason)
@@ -131,6 +136,10 @@ class MPClientBase:
 
     def _on_dead(self) -> None:
         """Hook for subclasses to wake their waiters."""
+
+    def _death_settled(self) -> bool:
+        """Dead, and long enough ago that nothing it sent can still be on its way."""
+        return self.dead and time.monotonic() - self.dead_at >= DEATH_GRACE_S
 
     def _decode_outputs(self, frames: list[Any]) -> EngineCoreOutputs | None:
         first = frames[0]
@@ -189,11 +198,12 @@ class SyncMPClient(MPClientBase, EngineCoreClient):
     def _receive(self) -> EngineCoreOutputs:
         while True:
             # Read what the engine sent before it died (e.g. the last outputs of a drain) first.
-            if self.poller.poll(0 if self.dead else 100):
+            if self.poller.poll(100):
                 outputs = self._decode_outputs(self.output_socket.recv_multipart(copy=False))
                 if outputs is not None:
                     return outputs
-            self._check()
+            if self._death_settled():
+                raise EngineDeadError(self.dead_reason)
 
     def get_output(self) -> EngineCoreOutputs:
         if self.pending:
@@ -241,7 +251,7 @@ class AsyncMPClient(MPClientBase):
             # Poll with a timeout so a death is noticed while idle, but only once the socket is
             # empty: outputs the engine sent before dying still reach their requests.
             if not await self.async_output.poll(timeout=100):
-                if self.dead:
+                if self._death_settled():
                     self._fail_waiters()
                     return
                 continue

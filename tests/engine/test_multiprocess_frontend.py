@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import torch
@@ -110,7 +111,11 @@ def test_sigterm_to_the_engine_core_finishes_in_flight_requests_and_refuses_new_
         assert {i: (o.finish_reason, len(o.token_ids)) for i, o in finished.items() if i != "late"} == \
             {f"r{i}": ("length", 40) for i in range(3)}
         assert finished["late"].finish_reason == "abort" and finished["late"].token_ids == []
-        engine.client.proc.join(30)
+        # The client's death watcher reaps the process from another thread; a concurrent join can
+        # miss the status (waitpid gets ECHILD), so read exitcode until it is set.
+        deadline = time.monotonic() + 30
+        while engine.client.proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert engine.client.proc.exitcode == 0
     finally:
         engine.shutdown()
