@@ -15,7 +15,8 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineArgs, cpu_has_native_bf16
 from pdserve.engine.demo import build_random_model
-from pdserve.engine.model.layers import packing_supported
+from pdserve.engine.model import layers
+from pdserve.engine.model.layers import UPCAST_SLAB_ROWS, linear_widened, packing_supported
 
 from support.hf_reference import hf_next_token_logits, load_hf_model
 
@@ -23,9 +24,13 @@ from support.hf_reference import hf_next_token_logits, load_hf_model
 BF16_LOGPROB_TOLERANCE = 0.1
 
 
-@pytest.mark.parametrize("pack", ["1", "0"])
-def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pack):
+@pytest.mark.parametrize("pack, widen", [("1", None), ("0", False), ("0", True)])
+def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pack, widen):
+    """Prepacked oneDNN weights, plain bf16 matmuls, and bf16 weights widened to fp32 matmuls
+    (what CPUs without bf16 hardware use) all compute the model transformers computes."""
     monkeypatch.setenv("PDSERVE_PACK_WEIGHTS", pack)
+    if widen is not None:
+        monkeypatch.setattr(layers, "bf16_is_emulated", lambda: widen)
     path = model_dir("llama")
     hf = load_hf_model(path)
     llm = LLM(path, dtype="bfloat16")
@@ -43,6 +48,23 @@ def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pac
             assert reference.max().item() - reference[token].item() < BF16_LOGPROB_TOLERANCE
             assert abs(entry[token].logprob - reference[token].item()) < BF16_LOGPROB_TOLERANCE
             context.append(token)
+
+
+@pytest.mark.parametrize("shape", [(16, 64, 48), (40, 96, UPCAST_SLAB_ROWS + 37), (3, 7, 32, 2 * UPCAST_SLAB_ROWS)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_widened_bf16_linear_equals_torch_bf16_linear(shape, with_bias):
+    *lead, k, n = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*lead, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    got = linear_widened(x, w, b)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (*lead, n)
+    # Rounded once from an fp32 sum: within one bf16 step (2^-7 relative) of the exact product,
+    # every slab of output columns included.
+    assert torch.all((got.double() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3)
+    assert torch.allclose(got.float(), torch.nn.functional.linear(x, w, b).float(), rtol=2 ** -7, atol=1e-2)
 
 
 def test_packing_support_is_probed_not_assumed():
