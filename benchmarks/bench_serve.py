@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
         config = LoadConfig(url=f"http://127.0.0.1:{port}", model=model_id, num_requests=n,
                             concurrency=args.concurrency, input_len=input_len, output_len=output_len, seed=0,
                             tokenizer=model, ignore_eos=ignore_eos, extra_body={"temperature": 0.0}, warmup=2)
-        return run_load_sync(config).summary()
+        return run_load_sync(config, progress=True).summary()
 
     systems: dict[str, dict] = {}
     log("--- offline engine ---")
