@@ -53,9 +53,8 @@ class MPClientBase:
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
         self.engine_identity = engine_index.to_bytes(2, "little")
-        self.dead = False
         self.dead_reason = ""
-        self.dead_at = 0.0
+        self.dead_at: float | None = None  # monotonic time the engine was found dead
         self._closed = False
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
@@ -129,7 +128,6 @@ class MPClientBase:
     def _mark_dead(self, reason: str) -> None:
         if not self.dead:
             self.dead_at = time.monotonic()
-            self.dead = True
             self.dead_reason = reason
             log.error("engine core is dead: %s", reason)
             self._on_dead()
@@ -137,9 +135,13 @@ class MPClientBase:
     def _on_dead(self) -> None:
         """Hook for subclasses to wake their waiters."""
 
+    @property
+    def dead(self) -> bool:
+        return self.dead_at is not None
+
     def _death_settled(self) -> bool:
         """Dead, and long enough ago that nothing it sent can still be on its way."""
-        return self.dead and time.monotonic() - self.dead_at >= DEATH_GRACE_S
+        return self.dead_at is not None and time.monotonic() - self.dead_at >= DEATH_GRACE_S
 
     def _decode_outputs(self, frames: list[Any]) -> EngineCoreOutputs | None:
         first = frames[0]

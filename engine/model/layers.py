@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -63,13 +64,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 # in cache, the weight in memory stays bf16) and the product rounded back: the same fp32
 # accumulation torch's emulation does, so results match it to the last bit on >99.9% of elements.
 # With fewer rows the widening costs more than it saves.
-UPCAST_MIN_ROWS = 16
-UPCAST_SLAB_ROWS = 512
+WIDEN_MIN_ROWS = 16
+WIDEN_SLAB_ROWS = 512
 
 
 @functools.cache
 def bf16_is_emulated() -> bool:
-    from pdserve.engine.config import cpu_has_native_bf16
     return not cpu_has_native_bf16()
 
 
@@ -78,9 +78,9 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     xf = x.reshape(-1, x.shape[-1]).float()
     out_features = weight.shape[0]
     out = torch.empty(xf.shape[0], out_features, dtype=torch.float32, device=x.device)
-    slab = torch.empty(min(UPCAST_SLAB_ROWS, out_features), weight.shape[1], dtype=torch.float32, device=x.device)
-    for start in range(0, out_features, UPCAST_SLAB_ROWS):
-        w = slab[:min(UPCAST_SLAB_ROWS, out_features - start)]
+    slab = torch.empty(min(WIDEN_SLAB_ROWS, out_features), weight.shape[1], dtype=torch.float32, device=x.device)
+    for start in range(0, out_features, WIDEN_SLAB_ROWS):
+        w = slab[:min(WIDEN_SLAB_ROWS, out_features - start)]
         w.copy_(weight[start:start + w.shape[0]])
         out[:, start:start + w.shape[0]] = F.linear(xf, w)
     if bias is not None:
@@ -94,7 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
         if low <= x.shape[0] <= high:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     elif (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-          and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] and bf16_is_emulated()):
+          and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and bf16_is_emulated()):
         return linear_widened(x, weight, bias)
     return F.linear(x, weight, bias)
 

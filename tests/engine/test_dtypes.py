@@ -16,7 +16,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineArgs, cpu_has_native_bf16
 from pdserve.engine.demo import build_random_model
 from pdserve.engine.model import layers
-from pdserve.engine.model.layers import UPCAST_SLAB_ROWS, linear_widened, packing_supported
+from pdserve.engine.model.layers import WIDEN_SLAB_ROWS, linear_widened, packing_supported
 
 from support.hf_reference import hf_next_token_logits, load_hf_model
 
@@ -50,7 +50,7 @@ def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pac
             context.append(token)
 
 
-@pytest.mark.parametrize("shape", [(16, 64, 48), (40, 96, UPCAST_SLAB_ROWS + 37), (3, 7, 32, 2 * UPCAST_SLAB_ROWS)])
+@pytest.mark.parametrize("shape", [(16, 64, 48), (40, 96, WIDEN_SLAB_ROWS + 37), (3, 7, 32, 2 * WIDEN_SLAB_ROWS)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_widened_bf16_linear_equals_torch_bf16_linear(shape, with_bias):
     *lead, k, n = shape
