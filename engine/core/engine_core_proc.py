@@ -56,6 +56,11 @@ class EngineCoreProc:
         self.identity = engine_index.to_bytes(2, "little")
         self.drain_seconds = drain_seconds
         self.ctx = zmq.Context()
+        # Outputs get a context of their own: the process ends with os._exit, which kills zmq's
+        # I/O thread with whatever it has not written yet (a drain's last outputs). Terminating
+        # this context at shutdown waits, up to the linger, until they are sent; the main context
+        # cannot be terminated while the input thread blocks on its socket.
+        self.output_ctx = zmq.Context()
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.drain_deadline: float | None = None
@@ -135,7 +140,7 @@ class EngineCoreProc:
         return Request.from_engine_core_request(req, self.core.block_hasher)
 
     def _output_loop(self, address: str) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
+        sock = self.output_ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 4000)
         sock.connect(address)
         encoder = MsgpackEncoder()
@@ -242,12 +247,14 @@ class EngineCoreProc:
             self.output_queue.put(ENGINE_CORE_DEAD if dead else _STOP)
             self.output_thread.join(timeout=5)
         elif dead:
-            sock = self.ctx.socket(zmq.PUSH)
+            sock = self.output_ctx.socket(zmq.PUSH)
             sock.connect(self.output_address)
             sock.send(ENGINE_CORE_DEAD)
             sock.close(linger=2000)
-        # The context is not destroyed: the input thread may be blocked on its socket, and closing
-        # it from here can abort the process. The caller exits right after, which releases all.
+        if not self.output_thread.is_alive():  # else its socket is open and term() would wait forever
+            self.output_ctx.term()
+        # The main context is not destroyed: the input thread may be blocked on its socket, and
+        # closing it from here can abort the process. The caller exits right after.
         self.core.shutdown()
 
 
