@@ -74,6 +74,22 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_counter: int = 0
     num_prompt_tokens: int = 0  # cumulative, computed
     num_generation_tokens: int = 0  # cumulative
+    # Disaggregated prefill/decode (zero without a KV connector).
+    num_waiting_for_remote_kvs: int = 0
+    kv_blocks_held_for_remote: int = 0  # finished prefills' blocks kept until the decode side pulls them
+    prompt_tokens_computed: int = 0  # cumulative: prompt tokens this engine ran through the model
+    kv_external_tokens: int = 0  # cumulative: prompt tokens loaded through the connector
+    kv_transfers: int = 0  # cumulative, both directions
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_transfers_expired: int = 0  # held blocks freed by the abort timeout
+    # Lock-step data parallelism (zero otherwise): the rank's wave, and its steps inside waves.
+    dp_wave: int = 0
+    dp_steps: int = 0  # cumulative: every step taken while a wave ran, dummy ones included
+    dp_dummy_steps: int = 0  # cumulative: steps run only to keep pace with busy ranks
+    dp_step_seconds: float = 0.0  # cumulative time of those steps
+    dp_dummy_seconds: float = 0.0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
@@ -90,6 +106,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     # Requests the core finished on its own without emitting an output for them (e.g. aborted).
     finished_requests: list[str] | None = None
+    # Lock-step data parallelism: a paused rank got a request and started this wave; rank 0
+    # found every rank idle and ended this wave.
+    start_wave: int | None = None
+    wave_complete: int | None = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -99,3 +119,4 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     WAKEUP = b"\x03"
+    START_DP_WAVE = b"\x04"  # lock-step data parallelism: start this wave (payload: the wave number)

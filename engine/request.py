@@ -67,6 +67,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 until then
         self.num_preemptions = 0
+        self.kv_load_failed = False  # a KV connector load failed once: compute the prompt here
         self.max_tokens = sampling_params.max_tokens
         self.stop_token_ids = sampling_params.all_stop_token_ids
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from pdserve.engine.core.block_events import BlockEvents
 from pdserve.engine.core.kv_cache_utils import BlockHash, FreeBlockQueue, KVCacheBlock
 
 
@@ -18,6 +19,13 @@ class BlockPool:
         # One block per hash: a second request computing the same prefix concurrently keeps its
         # own uncached copy, which is freed normally.
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # Index changes for the coordinator; None (no cost) unless an engine reports its load.
+        self.events: BlockEvents | None = None
+
+    def enable_events(self) -> BlockEvents:
+        if self.events is None:
+            self.events = BlockEvents()
+        return self.events
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,7 +54,15 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix-cache index: their hashes were set before their KV was written,
+        and now it never will be."""
+        for block in blocks:
+            self._evict(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks; a free one leaves the free queue."""
@@ -70,10 +86,12 @@ class BlockPool:
         """Index blocks[start:end] by their hashes so later requests with the same prefix reuse them."""
         if not self.enable_caching:
             return
+        events = self.events
         for block, block_hash in zip(blocks[start:end], block_hashes[start:end]):
             if block.block_hash is None:
                 block.block_hash = block_hash
-                self.cached.setdefault(block_hash, block)
+                if self.cached.setdefault(block_hash, block) is block and events is not None:
+                    events.stored(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix. Only possible while no request holds a block."""
@@ -82,4 +100,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

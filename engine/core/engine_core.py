@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_cache_utils import make_block_hasher
 from pdserve.engine.core.sched_output import StepTiming
@@ -18,8 +20,12 @@ from pdserve.engine.core.scheduler import Scheduler
 from pdserve.engine.executor.abstract import Executor, executor_class_for
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kvstore.base import KVConnectorRole
+from pdserve.kvstore.factory import create_connector
 
 log = logging.getLogger("pdserve.engine.core")
+# With only KV transfers in flight, a step computes nothing: poll them at this pace, not a spin.
+KV_POLL_INTERVAL_S = 0.002
 
 
 @dataclass
@@ -33,16 +39,39 @@ class StepRecord:
     timing: StepTiming | None
 
 
+def check_kv_capacity(config: EngineConfig, num_blocks: int) -> None:
+    """Refuse a KV cache that cannot hold one sequence of max_model_len tokens: such an engine
+    would accept long requests only to abort them (or preempt them forever)."""
+    capacity = num_blocks * config.cache.block_size
+    max_model_len = config.model.max_model_len
+    if capacity < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {config.cache.block_size} = {capacity} tokens, fewer than "
+            f"one sequence of max_model_len {max_model_len} tokens; lower --max-model-len to at most {capacity}, "
+            f"or give the cache more room (--num-kv-blocks, --kv-cache-memory-bytes on CPU, "
+            f"--gpu-memory-utilization on GPU)")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         start = time.perf_counter()
         self.executor = (executor_class or executor_class_for(config))(config)
         num_blocks = self.executor.determine_num_kv_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        try:
+            check_kv_capacity(config, num_blocks)
+        except ValueError:
+            self.executor.shutdown()
+            raise
+        worker_infos = self.executor.initialize_kv_cache(num_blocks)
         config.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(config, num_blocks)
-        self.block_hasher = make_block_hasher(config.cache.block_size) if config.cache.enable_prefix_caching else None
+        self.connector = create_connector(config, KVConnectorRole.SCHEDULER)
+        if self.connector is not None:
+            self.connector.set_worker_info(worker_infos)
+        self.scheduler = Scheduler(config, num_blocks, self.connector)
+        # Block hashes key the prefix cache, and the KV store connectors' blocks.
+        self.block_hasher = make_block_hasher(config.cache.block_size) \
+            if config.cache.enable_prefix_caching or config.kv_transfer else None
         # Per-step timings, kept only when a benchmark asks (record_steps()).
         self.step_records: list[StepRecord] | None = None
         log.info("engine core ready: %d KV blocks of %d tokens, %.1fs", num_blocks, config.cache.block_size,
@@ -75,12 +104,19 @@ class EngineCore:
 
     def step(self) -> tuple[EngineCoreOutputs, bool]:
         """Run one step. Returns the outputs and whether the model ran."""
-        if not self.scheduler.has_unfinished_requests:
+        if not self.has_work():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
         start = time.perf_counter()
         sched_output = self.scheduler.schedule()
         if sched_output.total_num_scheduled_tokens == 0:
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+            if not self.scheduler.has_kv_transfers:
+                return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+            # Nothing to compute, but the workers must report transfers (and receive the
+            # metadata that registers them).
+            time.sleep(KV_POLL_INTERVAL_S)
+            outputs = self.scheduler.update_from_output(sched_output, self.executor.execute_model(sched_output))
+            return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+                                     timestamp=time.time()), False
         scheduled = time.perf_counter()
         runner_output = self.executor.execute_model(sched_output)
         executed = time.perf_counter()
@@ -96,23 +132,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
+    def has_work(self) -> bool:
+        """Requests to run, or KV transfers to follow (blocks held for a remote decode)."""
+        return self.scheduler.has_unfinished_requests or self.scheduler.has_kv_transfers
+
     # -- utility calls (reachable over the wire as UTILITY requests) ---------------------------
 
     def get_stats(self) -> dict[str, Any]:
-        stats = self.scheduler.make_stats()
-        return {
-            "num_running_reqs": stats.num_running_reqs,
-            "num_waiting_reqs": stats.num_waiting_reqs,
-            "num_preemptions": stats.num_preemptions,
-            "prefix_cache_queries": stats.prefix_cache_queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "kv_blocks_total": stats.kv_blocks_total,
-            "kv_blocks_free": stats.kv_blocks_free,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "num_prompt_tokens": stats.num_prompt_tokens,
-            "num_generation_tokens": stats.num_generation_tokens,
-            "step_counter": stats.step_counter,
-        }
+        return msgspec.structs.asdict(self.scheduler.make_stats())
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -121,4 +148,6 @@ class EngineCore:
         return "pong"
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         self.executor.shutdown()

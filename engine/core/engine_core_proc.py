@@ -28,6 +28,7 @@ import zmq
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.engine_core import EngineCore
+from pdserve.engine.core.load_reporter import LoadReporter
 from pdserve.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -77,6 +78,10 @@ class EngineCoreProc:
         self.core = EngineCore(config)
         # A worker that dies while the loop is idle would go unnoticed until the next request.
         self.core.executor.register_failure_callback(self._on_worker_failure)
+        self.reporter: LoadReporter | None = None
+        if config.coordinator_address:
+            self.core.scheduler.kv_cache_manager.pool.enable_events()
+            self.reporter = LoadReporter(config, self.ctx)
 
         input_ready = threading.Event()
         self.output_address = init["output_address"]
@@ -116,6 +121,7 @@ class EngineCoreProc:
         decode_add = MsgpackDecoder(EngineCoreRequest)
         decode_abort = MsgpackDecoder(list[str])
         decode_utility = MsgpackDecoder(tuple[int, str, list[Any]])
+        decode_wave = MsgpackDecoder(int)
         while True:
             frames = sock.recv_multipart(copy=False)
             kind = bytes(frames[0].buffer)
@@ -126,6 +132,8 @@ class EngineCoreProc:
                     self.input_queue.put((kind, decode_abort.decode(frames[1:])))
                 elif kind == EngineCoreRequestType.UTILITY.value:
                     self.input_queue.put((kind, decode_utility.decode(frames[1:])))
+                elif kind == EngineCoreRequestType.START_DP_WAVE.value:  # handled by DPEngineCoreProc
+                    self.input_queue.put((kind, decode_wave.decode(frames[1:])))
                 else:
                     self.input_queue.put((EngineCoreRequestType.WAKEUP.value, None))
             except Exception as exc:  # a malformed message must not kill the engine
@@ -180,10 +188,18 @@ class EngineCoreProc:
             if self.drain_deadline is not None and (idle or time.monotonic() >= self.drain_deadline):
                 self._abort_everything("the engine is shutting down")
                 return
-            changed = self._drain_inputs(block=idle)
+            if self.reporter is not None:  # after the previous step, and on every idle wake-up
+                self.reporter.maybe_report(self.core.scheduler)
+            changed = self._drain_inputs(block=not self.core.has_work())
             if self.core.has_unfinished_requests():
                 outputs, _ = self.core.step()
                 self.output_queue.put(outputs)
+            elif self.core.has_work():
+                # Only blocks held for remote decodes: poll their transfers; report when some go.
+                held = len(self.core.scheduler.held_for_send)
+                outputs, _ = self.core.step()
+                if outputs.outputs or len(self.core.scheduler.held_for_send) != held:
+                    self.output_queue.put(outputs)
             elif changed:
                 # No step will report the freed blocks: send the stats now (e.g. after aborts).
                 self.output_queue.put(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats(),
@@ -243,6 +259,8 @@ class EngineCoreProc:
                 scheduler_stats=self.core.scheduler.make_stats()))
 
     def shutdown(self, dead: bool = False) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
         if self.output_thread.is_alive():
             self.output_queue.put(ENGINE_CORE_DEAD if dead else _STOP)
             self.output_thread.join(timeout=5)
@@ -288,7 +306,10 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     signal.signal(signal.SIGINT, lambda *_: os._exit(0))
     engine = None
     try:
-        engine = EngineCoreProc(config, handshake_address, engine_index)
+        proc_class = EngineCoreProc
+        if config.parallel.data_parallel_lockstep:
+            from pdserve.engine.core.dp_engine_core_proc import DPEngineCoreProc as proc_class
+        engine = proc_class(config, handshake_address, engine_index)
         holder[0] = engine
         signal.signal(signal.SIGTERM, engine.request_drain)
         signal.signal(signal.SIGINT, engine.request_drain)

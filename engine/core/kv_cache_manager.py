@@ -86,11 +86,17 @@ class KVCacheManager:
             self.pool.cache_full_blocks(self.req_to_blocks[request.request_id], request.block_hashes, start, num_full)
             self.num_cached_blocks[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_written_tokens: int | None = None) -> None:
         """Release the request's blocks. The tail goes first into the free queue, so it is
-        evicted before the prefix that other requests are more likely to share."""
+        evicted before the prefix that other requests are more likely to share.
+
+        `num_written_tokens`: how many tokens' KV the request really has, when its blocks were
+        allocated (and so hashed) for a step it will not run in; full blocks past it are unhashed.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if num_written_tokens is not None:
+            self.pool.uncache_blocks(blocks[num_written_tokens // self.block_size:])
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -36,6 +37,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner should forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str]
+    # What the KV connector's worker side needs this step (loads to start, blocks to hold).
+    kv_connector_metadata: Any = None
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> "SchedulerOutput":
@@ -66,3 +69,9 @@ class ModelRunnerOutput:
     # Per request: (token_ids rows, logprobs rows, ranks), one row per sampled token.
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
     timing: StepTiming | None = None
+    # KV connector results (None without a connector): requests done sending or receiving,
+    # loads that failed (a subset of finished_recving), and transfer counters since last step.
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    failed_recving: set[str] | None = None
+    kv_stats: Any = None

@@ -11,13 +11,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.protocol import EngineCoreOutput, LogprobsLists, SchedulerStats
 from pdserve.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdserve.kvstore.base import KVConnectorBase
 
 
 class WaitingQueue:
@@ -63,7 +66,7 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, connector: "KVConnectorBase | None" = None) -> None:
         self.config = config
         sc = config.scheduler
         self.max_num_seqs = sc.max_num_seqs
@@ -83,6 +86,13 @@ class Scheduler:
         self.step_counter = 0
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
         self.num_generation_tokens = 0
+        self.prompt_tokens_computed = 0  # prompt tokens run through the model, cumulative
+        # Disaggregated prefill/decode: the connector moves KV; these track who waits on it.
+        self.connector = connector
+        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}  # loading: (request, external tokens)
+        self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a remote decode
+        self.kv_external_tokens = 0
+        self.kv_stats: Any = None  # the connector's cumulative transfer counters
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -103,21 +113,41 @@ class Scheduler:
             self.waiting.remove(waiting)
         for request in found:
             request.status = status
-            self._free_request(request)
+            if request.request_id in self.waiting_for_kv:
+                # A load may be writing into its blocks: they are freed once it ends.
+                self.connector.request_finished(request, [])  # type: ignore[union-attr]
+                self.finished_req_ids.add(request.request_id)
+                del self.requests[request.request_id]
+            else:
+                self._free_request(request)
         return found
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Release a finished request; returns the connector's kv_transfer_params for its output."""
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if delay:
+            self.held_for_send[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_kv)
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        """Workers must keep stepping (even with nothing to compute) to report these."""
+        return bool(self.waiting_for_kv) or bool(self.held_for_send)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -173,7 +203,9 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        # A victim scheduled earlier in this step had its new blocks hashed at allocation, but
+        # num_computed_tokens only advances in _build_output: blocks past it hold no KV yet.
+        self.kv_cache_manager.free(request, request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -185,9 +217,17 @@ class Scheduler:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            resumed = request.num_computed_tokens > 0  # its KV arrived through the connector
+            if not resumed:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+                if self.connector is not None and not request.kv_load_failed:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    if num_external > 0 and load_async:
+                        if not self._start_remote_load(request, num_hit_tokens, hit_blocks, num_external):
+                            break
+                        continue
+            computed = request.num_computed_tokens if resumed else num_hit_tokens
+            num_new = request.num_tokens - computed
             if 0 < self.long_prefill_token_threshold < num_new:
                 num_new = self.long_prefill_token_threshold
             if num_new > budget:
@@ -201,12 +241,66 @@ class Scheduler:
             if request.num_cached_tokens < 0:  # first admission, not a resume after preemption
                 request.num_cached_tokens = num_hit_tokens
                 self.num_prompt_tokens += request.num_prompt_tokens
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = computed
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv_cache_manager.get_block_ids(
+                    request.request_id), 0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(request)
             budget -= num_new
+
+    def _start_remote_load(self, request: Request, num_hit_tokens: int, hit_blocks: list, num_external: int) -> bool:
+        """Allocate the blocks the connector will fill and park the request until they are full.
+        False when the pool has no room (the request stays first in line)."""
+        blocks = self.kv_cache_manager.allocate_slots(request, num_external, num_hit_tokens, hit_blocks,
+                                                      delay_cache_blocks=True)
+        if blocks is None:
+            return False
+        self.waiting.pop()
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kv[request.request_id] = (request, num_external)
+        self.connector.update_state_after_alloc(  # type: ignore[union-attr]
+            request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+        return True
+
+    def _finish_remote_load(self, request_id: str, failed: bool) -> None:
+        request, num_external = self.waiting_for_kv.pop(request_id, (None, 0))
+        if request is None:
+            return
+        if request.is_finished:  # aborted while its KV was arriving
+            self.kv_cache_manager.free(request)
+            return
+        if failed:
+            # Back to a fresh request: it is admitted again and computes what it lacks.
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.kv_load_failed = True
+        else:
+            request.num_computed_tokens += num_external
+            if self.kv_cache_manager.enable_caching:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            request.num_cached_tokens = request.num_computed_tokens
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.kv_external_tokens += num_external
+        request.status = RequestStatus.WAITING
+        self.waiting.add_front(request)
+
+    def _update_kv_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        failed = runner_output.failed_recving or set()
+        for request_id in runner_output.finished_recving or ():
+            self._finish_remote_load(request_id, request_id in failed)
+        for request_id in runner_output.finished_sending or ():
+            request = self.held_for_send.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        if runner_output.kv_stats is not None:
+            if self.kv_stats is None:
+                self.kv_stats = runner_output.kv_stats
+            else:
+                self.kv_stats.add(runner_output.kv_stats)
 
     def _build_output(self, num_scheduled: dict[str, int], new_reqs: list[Request],
                       new_block_ids: dict[str, list[int]]) -> SchedulerOutput:
@@ -240,13 +334,20 @@ class Scheduler:
         self.finished_req_ids = set()
         # Advance progress now: the tokens' KV is written by the step this output describes.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.prompt_tokens_computed += min(n, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += n
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self.step_counter += 1
         return output
 
     def update_from_output(self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
+        if self.connector is not None:
+            self._update_kv_transfers(runner_output)
         for req_id in sched_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id)
@@ -266,6 +367,10 @@ class Scheduler:
             if req_id in runner_output.logprobs:
                 ids, lps, ranks = runner_output.logprobs[req_id]
                 logprobs = LogprobsLists(ids[:len(kept)], lps[:len(kept)], ranks[:len(kept)])
+            kv_params = None
+            if request.is_finished:
+                stopped.append(request)
+                kv_params = self._free_request(request)
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=kept,
@@ -273,14 +378,11 @@ class Scheduler:
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                kv_transfer_params=kv_params,
             ))
-            if request.is_finished:
-                stopped.append(request)
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
-            for request in stopped:
-                self._free_request(request)
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
@@ -316,7 +418,19 @@ class Scheduler:
             step_counter=self.step_counter,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            **(self._kv_transfer_stats() if self.connector is not None else {}),
         )
+
+    def _kv_transfer_stats(self) -> dict[str, Any]:
+        held = sum(len(self.kv_cache_manager.get_block_ids(r)) for r in self.held_for_send)
+        stats = dict(num_waiting_for_remote_kvs=len(self.waiting_for_kv), kv_blocks_held_for_remote=held,
+                     kv_external_tokens=self.kv_external_tokens)
+        s = self.kv_stats
+        if s is not None:
+            stats.update(kv_transfers=s.transfers, kv_transfer_bytes=s.bytes, kv_transfer_seconds=s.seconds,
+                         kv_transfer_failures=s.failures, kv_transfers_expired=s.expired)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

@@ -23,6 +23,9 @@ from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput,
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
+from pdserve.engine.distributed import tp_rank
+from pdserve.kvstore.base import KVConnectorRole
+from pdserve.kvstore.factory import create_connector
 
 log = logging.getLogger("pdserve.engine.runner")
 
@@ -79,6 +82,7 @@ class ModelRunner:
         self.backend = attention_backend(device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.connector: Any = None  # the KV connector's worker side, when one is configured
         self.block_table = np.zeros((config.scheduler.max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
 
     # -- setup --------------------------------------------------------------------------------
@@ -91,11 +95,16 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.config.model.dtype).element_size()
         return 2 * self.config.model.num_hidden_layers * self.block_size * attn.num_kv_heads * attn.head_dim * elem
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int) -> dict[str, Any] | None:
+        """Allocate the cache; with a KV connector, hand it the tensors and return what it says."""
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr]
         shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
                           for _ in range(self.config.model.num_hidden_layers)]
+        self.connector = create_connector(self.config, KVConnectorRole.WORKER, tp_rank())
+        if self.connector is None:
+            return None
+        return self.connector.register_kv_caches(self.kv_caches)
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -118,8 +127,25 @@ class ModelRunner:
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        kv = self.connector
+        if kv is None:
+            return self._execute(so)
+        # Loads run in the connector's threads while this step computes other requests.
+        kv.bind_connector_metadata(so.kv_connector_metadata)
+        kv.start_load_kv()
+        output = self._execute(so)
+        if so.total_num_scheduled_tokens:
+            for layer, cache in enumerate(self.kv_caches):
+                kv.save_kv_layer(layer, cache)
+            kv.wait_for_save()
+        output.finished_sending, output.finished_recving = kv.get_finished(so.finished_req_ids)
+        output.failed_recving = kv.get_failed_loads()
+        output.kv_stats = kv.take_stats()
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step_start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:

@@ -40,7 +40,9 @@ class Worker:
     def init_device(self) -> None:
         mc = self.config.model
         if mc.device.startswith("cuda"):
-            self.device = torch.device("cuda", self.rank % max(torch.cuda.device_count(), 1))
+            # Data-parallel rank d's TP workers take the GPUs after rank d-1's.
+            index = self.config.parallel.data_parallel_rank * self.config.parallel.tensor_parallel_size + self.rank
+            self.device = torch.device("cuda", index % max(torch.cuda.device_count(), 1))
             torch.cuda.set_device(self.device)
             backend = "nccl"
         else:
@@ -80,17 +82,25 @@ class Worker:
         activations = 64 * self.config.scheduler.max_num_batched_tokens * self.config.model.hidden_size * 4
         return int(total * self.config.cache.gpu_memory_utilization) - used_by_others - activations
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int) -> dict[str, Any] | None:
         assert self.runner is not None
-        self.runner.initialize_kv_cache(num_blocks)
+        return self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
         output = self.runner.execute_model(scheduler_output)
-        return output if self.rank == 0 else None
+        if self.rank == 0:
+            return output
+        if self.runner.connector is not None:  # the executor joins every rank's KV transfer reports
+            return ModelRunnerOutput({}, finished_sending=output.finished_sending,
+                                     finished_recving=output.finished_recving,
+                                     failed_recving=output.failed_recving, kv_stats=output.kv_stats)
+        return None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.connector is not None:
+            self.runner.connector.shutdown()
         destroy_tensor_parallel()

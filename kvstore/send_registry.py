@@ -1,0 +1,107 @@
+"""The prefill side's record of blocks kept for remote decodes.
+
+A finished prefill's blocks stay allocated until every reader has said it is done, or until the
+abort timeout passes with no read in progress. Reads hold a lease, so a timeout never frees
+blocks that are being copied out: the engine may reuse them only once `take_finished` has
+reported the request, and that never happens mid-read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class HeldBlocks:
+    block_ids: list[int]
+    deadline: float
+    active_reads: int = 0
+    done_messages: int = 0
+    expected: int | None = None  # done messages to wait for, learned from the first one
+
+    @property
+    def complete(self) -> bool:
+        return self.expected is not None and self.done_messages >= self.expected and self.active_reads == 0
+
+
+class UnknownRequest(Exception):
+    """The request is not (or no longer) held here. `retry` is True when it may still arrive:
+    the decode side can ask before this rank has processed the step that registers it."""
+
+    def __init__(self, request_id: str, retry: bool) -> None:
+        super().__init__(f"no KV held for request {request_id!r}" + (" yet" if retry else " (released or expired)"))
+        self.retry = retry
+
+
+class SendRegistry:
+    def __init__(self, clock=time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, HeldBlocks] = {}
+        self._finished: set[str] = set()
+        self._released: OrderedDict[str, None] = OrderedDict()  # recently released ids, bounded
+        self._clock = clock
+        self.num_expired = 0
+        self.num_blocks_expired = 0
+
+    def hold(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        with self._lock:
+            self._held[request_id] = HeldBlocks(list(block_ids), self._clock() + timeout_s)
+
+    def begin_read(self, request_id: str) -> list[int]:
+        """Lease the request's blocks for one read; raises UnknownRequest."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                raise UnknownRequest(request_id, retry=request_id not in self._released)
+            held.active_reads += 1
+            return held.block_ids
+
+    def end_read(self, request_id: str) -> None:
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is not None:
+                held.active_reads -= 1
+                if held.complete:
+                    self._release(request_id)
+
+    def done(self, request_id: str, expected: int) -> None:
+        """One reader is finished with the request; after `expected` of them the blocks go."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return
+            held.done_messages += 1
+            held.expected = expected
+            if held.complete:
+                self._release(request_id)
+
+    def expire(self) -> int:
+        """Release requests past their deadline with no read in progress; returns how many."""
+        now = self._clock()
+        with self._lock:
+            late = [r for r, h in self._held.items() if h.deadline <= now and h.active_reads == 0]
+            for request_id in late:
+                self.num_blocks_expired += len(self._held[request_id].block_ids)
+                self._release(request_id)
+            self.num_expired += len(late)
+            return len(late)
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+            return finished
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def _release(self, request_id: str) -> None:
+        del self._held[request_id]
+        self._finished.add(request_id)
+        self._released[request_id] = None
+        while len(self._released) > 4096:
+            self._released.popitem(last=False)

@@ -1,0 +1,274 @@
+"""Connectors backed by a block store keyed by prefix hash: the KV store service, or files.
+
+Producers write every full block they compute, keyed by the block's chained prefix hash; any
+engine, before computing a prompt, asks the store how many of the blocks after its own prefix-
+cache hit it holds, and loads those instead. So the store is the hand-off from prefill to decode
+and, at the same time, a prefix cache shared by every engine. A store that is down only costs
+time: lookups answer zero (and are not retried for a while), loads fail into recomputation,
+saves are dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import torch
+
+from pdserve.kvstore.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, LoadLog
+from pdserve.kvstore.config import KVTransferConfig
+
+if TYPE_CHECKING:
+    from pdserve.engine.core.sched_output import SchedulerOutput
+    from pdserve.engine.request import Request
+
+log = logging.getLogger("pdserve.kvstore.storage")
+
+STORE_DOWN_BACKOFF_S = 5.0  # after a failed lookup, stop asking for this long
+
+
+class BlockBackend(Protocol):
+    def contains(self, keys: Sequence[bytes]) -> int: ...  # how many leading keys are present
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None: ...
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]: ...
+    def close(self) -> None: ...
+
+
+class FileBackend:
+    """One file per block under a directory; written to a temporary name, then renamed, so a
+    reader never sees a half-written block."""
+
+    def __init__(self, root: str, namespace: str) -> None:
+        self.dir = Path(root) / _safe(namespace)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: bytes) -> Path:
+        return self.dir / f"{key.hex()}.kv"
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        for i, key in enumerate(keys):
+            if not self._path(key).exists():
+                return i
+        return len(keys)
+
+    def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
+        for key, value in zip(keys, values):
+            path = self._path(key)
+            if path.exists():
+                continue
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(memoryview(value).cast("B"))
+            os.replace(tmp, path)
+
+    def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        out: list[memoryview | None] = []
+        for key in keys:
+            try:
+                out.append(memoryview(self._path(key).read_bytes()))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "model"
+
+
+def make_backend(kv: KVTransferConfig, namespace: str) -> BlockBackend:
+    if kv.connector == "shared-storage":
+        return FileBackend(kv.extra["path"], namespace)
+    from pdserve.kvstore.client import KVStoreClient
+
+    return KVStoreClient(kv.extra["kvstore_url"], namespace, float(kv.extra["timeout_s"]))
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class StorageMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, prefix hash)
+
+
+class StorageConnector(KVConnectorBase):
+    def __init__(self, config: Any, role: KVConnectorRole, kv_config: KVTransferConfig, rank: int = 0) -> None:
+        super().__init__(config, role)
+        self.kv = kv_config
+        self.rank = rank
+        self.block_size = config.cache.block_size
+        mc = config.model
+        # Blocks are interchangeable only between engines of the same model, dtype and head split.
+        self.namespace = (f"{mc.served_model_name}|{str(mc.dtype).removeprefix('torch.')}|bs{self.block_size}"
+                          f"|tp{config.parallel.tensor_parallel_size}")
+        self.backend: BlockBackend | None = None
+        # scheduler side
+        self._loads: list[LoadSpec] = []
+        self._saved_upto: dict[str, tuple["Request", int]] = {}  # request -> blocks already in the store
+        self._down_until = 0.0
+        self._block_ids: dict[str, list[int]] = {}
+        # worker side
+        self._metadata: StorageMetadata | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.loads = LoadLog()
+        self._warned_at = 0.0
+
+    def _key(self, block_hash: bytes, rank: int) -> bytes:
+        return b"r%d:" % rank + block_hash
+
+    def _backend(self) -> BlockBackend:
+        if self.backend is None:
+            self.backend = make_backend(self.kv, self.namespace)
+        return self.backend
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.kv.is_consumer or time.monotonic() < self._down_until:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        if len(request.block_hashes) <= first:
+            return 0, False
+        try:
+            found = self._backend().contains([self._key(h, 0) for h in request.block_hashes[first:]])
+        except Exception as exc:
+            self._down_until = time.monotonic() + STORE_DOWN_BACKOFF_S
+            log.warning("KV store lookup failed; computing locally for %.0fs: %s", STORE_DOWN_BACKOFF_S, exc)
+            return 0, False
+        # The last token is always computed (its logits give the next token), even when its
+        # block is loaded: recomputing it rewrites the same K and V.
+        tokens = min(found * self.block_size, request.num_tokens - 1 - num_computed_tokens)
+        return max(tokens, 0), tokens > 0
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        first = request.num_computed_tokens // self.block_size
+        count = -(-num_external_tokens // self.block_size)
+        if count:
+            self._loads.append(LoadSpec(request.request_id, list(block_ids[first:first + count]),
+                                        list(request.block_hashes[first:first + count])))
+        if self.kv.is_producer:
+            self._saved_upto[request.request_id] = (request, first + count)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> StorageMetadata | None:
+        meta = StorageMetadata(self._loads)
+        self._loads = []
+        # Follow each request's block list as the runner does: whole for new (or resumed)
+        # requests, appended for the others.
+        for new in scheduler_output.scheduled_new_reqs:
+            self._block_ids[new.req_id] = list(new.block_ids)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_blocks in zip(cached.req_ids, cached.new_block_ids):
+            self._block_ids.setdefault(req_id, []).extend(new_blocks)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            entry = self._saved_upto.get(req_id)
+            if entry is None:
+                continue
+            request, saved = entry
+            # num_computed_tokens already counts this step: its full blocks are written by it.
+            full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+            if full > saved:
+                blocks = self._block_ids[req_id]
+                meta.saves.extend((blocks[i], request.block_hashes[i]) for i in range(saved, full))
+                self._saved_upto[req_id] = (request, full)
+        return meta if meta.loads or meta.saves else None
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._saved_upto.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if self.kv.is_producer and params and params.get("do_remote_decode"):
+            # Every full block is in the store already (saved in the step that computed it).
+            return False, {"do_remote_prefill": True, "do_remote_decode": False, "kv_connector": self.kv.connector,
+                           "remote_engine_id": self.engine_config.engine_id}
+        return False, None
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> dict[str, Any]:
+        self.kv_caches = kv_caches
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-load")
+        return {"rank": self.rank}
+
+    def bind_connector_metadata(self, metadata: StorageMetadata | None) -> None:
+        self._metadata = metadata
+
+    def start_load_kv(self) -> None:
+        meta = self._metadata
+        if meta is None or self._pool is None:
+            return
+        for spec in meta.loads:
+            self._pool.submit(self._load, spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        start = time.monotonic()
+        moved = 0
+        try:
+            values = self._backend().get([self._key(h, self.rank) for h in spec.hashes])
+            for block_id, value in zip(spec.block_ids, values):
+                if value is None:
+                    raise KeyError("a block left the store between lookup and load")
+                self._write_block(block_id, value)
+                moved += len(value)
+        except Exception as exc:
+            log.warning("loading %s from the KV store failed, recomputing: %s", spec.req_id, exc)
+            self.loads.ended(spec.req_id, failed=True)
+            return
+        self.loads.ended(spec.req_id, moved, time.monotonic() - start)
+
+    def _write_block(self, block_id: int, value: memoryview) -> None:
+        first = self.kv_caches[0]
+        shape = (len(self.kv_caches), 2, *first.shape[2:])
+        data = torch.frombuffer(value, dtype=torch.uint8).view(first.dtype).view(shape)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, block_id].copy_(data[layer])
+
+    def _read_block(self, block_id: int) -> torch.Tensor:
+        return torch.stack([cache[:, block_id] for cache in self.kv_caches]).cpu()
+
+    def wait_for_save(self) -> None:
+        meta = self._metadata
+        if meta is None or not meta.saves:
+            return
+        keys = [self._key(h, self.rank) for _, h in meta.saves]
+        values = [self._read_block(b).view(torch.uint8).numpy() for b, _ in meta.saves]
+        start = time.monotonic()
+        try:
+            self._backend().put(keys, values)
+        except Exception as exc:
+            now = time.monotonic()
+            if now - self._warned_at > STORE_DOWN_BACKOFF_S:
+                self._warned_at = now
+                log.warning("saving %d blocks to the KV store failed (serving goes on): %s", len(keys), exc)
+            self.loads.count(KVConnectorStats(failures=1))
+            return
+        self.loads.count(KVConnectorStats(bytes=sum(v.nbytes for v in values), seconds=time.monotonic() - start))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return set(), self.loads.take_ended()
+
+    def get_failed_loads(self) -> set[str]:
+        return self.loads.take_failed()
+
+    def take_stats(self) -> KVConnectorStats | None:
+        stats = self.loads.take_stats()
+        return stats if stats else None
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.backend is not None:
+            self.backend.close()
