@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from pdserve.operator.names import (COORDINATOR_HTTP_PORT, COORDINATOR_PUBLISH_PORT, COORDINATOR_STATS_PORT,
-                                    ENGINE_PORT, KVSTORE_PORT, Names)
+                                    ENGINE_PORT, KV_TRANSFER_PORT, KVSTORE_PORT, Names)
 from pdserve.operator.spec import KV_SHARED_MOUNT, InferenceService
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -21,9 +21,12 @@ def kv_transfer_config(isvc: InferenceService, role: str) -> dict[str, Any]:
     kv = isvc.spec.kv_transfer
     extra: dict[str, Any] = {}
     if kv.connector == "kvstore":
-        extra["kvstore_address"] = f"{Names(isvc.name).service('kvstore')}:{KVSTORE_PORT}"
+        extra["kvstore_url"] = f"tcp://{Names(isvc.name).service('kvstore')}:{KVSTORE_PORT}"
     elif kv.connector == "shared-storage":
-        extra["shared_storage_path"] = KV_SHARED_MOUNT
+        extra["path"] = KV_SHARED_MOUNT
+    elif kv.connector == "p2p" and role == "prefill":
+        # The port the pod declares for the KV side channel (rank r of a TP group uses port + r).
+        extra["side_channel_port"] = KV_TRANSFER_PORT
     return {"kv_connector": kv.connector, "kv_role": KV_ROLES[role], "kv_connector_extra_config": extra}
 
 
@@ -50,6 +53,9 @@ def engine_command(isvc: InferenceService, role: str) -> list[str]:
         "--engine-role", role,
         "--kv-transfer-config", compact_json(kv_transfer_config(isvc, role)),
         "--coordinator-address", Names(isvc.name).coordinator_address(COORDINATOR_STATS_PORT),
+        # Several DP ranks in one pod balance on the coordinator's feed of their loads.
+        *(["--coordinator-publish-address", Names(isvc.name).coordinator_address(COORDINATOR_PUBLISH_PORT)]
+          if pool.data_parallel_size > 1 else []),
         *engine.extra_args,
     ]
 

@@ -313,7 +313,7 @@ MANAGED_ENGINE_FLAGS = frozenset({
     "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size",
     "--data-parallel-size", "--max-model-len", "--block-size", "--max-num-seqs",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--engine-role", "--kv-transfer-config",
-    "--coordinator-address",
+    "--coordinator-address", "--coordinator-publish-address",
 })
 
 

@@ -269,8 +269,23 @@ async def test_timer_scales_with_load_within_bounds_and_ratio(cluster, make_isvc
             assert 1 <= written.get("prefill", {}).get("replicas", 1) <= 2
 
 
-async def test_timer_respects_a_manual_edit_for_one_window(cluster, make_isvc, stats):
-    window = 2
+class OperatorClock:
+    """Stands in for the `time` module of the operator's handlers: it moves only when told."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+async def test_timer_respects_a_manual_edit_for_one_window(cluster, make_isvc, stats, monkeypatch):
+    from pdserve.operator import handlers
+
+    # The autoscaler's clock is the test's, so "within the window" holds however slow the machine.
+    clock = OperatorClock(time.time())
+    monkeypatch.setattr(handlers, "time", clock)
+    window = 60
     isvc = make_isvc({"decode": {"replicas": 1, "autoscaling": {
         "minReplicas": 1, "maxReplicas": 6, "targetWaitingPerReplica": 2, "scaleDownDelaySeconds": window}}})
     stats.set_load(decode=[8])  # wants 4
@@ -282,17 +297,21 @@ async def test_timer_respects_a_manual_edit_for_one_window(cluster, make_isvc, s
 
         # A person scales to 2 (`kubectl scale isvc/demo --replicas=2` writes the same field).
         await cluster.patch("InferenceService", "demo", {"spec": {"decode": {"replicas": 2}}})
-        edited = time.monotonic()
         await cluster.wait_for(lambda: deployment_replicas(cluster)["decode"] == 2, "the person's 2 applied")
         await cluster.wait_for(lambda: cluster.calls("autoscale") >= ticks + 5, "a few more decisions")
-        if time.monotonic() - edited < window:
-            assert replicas(cluster)["decode"] == 2, "the manual edit was overridden within its window"
+        assert replicas(cluster)["decode"] == 2, "the manual edit was overridden within its window"
         memory = read_memory(cluster.get("InferenceService", "demo")["metadata"]["annotations"])
-        assert memory["decode"].replicas == 2
+        assert memory["decode"].replicas == 2 and memory["decode"].hold_until == clock.now + window
 
-        # After the window the load decides again -- once, not in a loop.
+        # One second short of the window, the person's value still stands.
+        clock.now += window - 1
+        ticks = cluster.calls("autoscale")
+        await cluster.wait_for(lambda: cluster.calls("autoscale") >= ticks + 5, "decisions late in the window")
+        assert replicas(cluster)["decode"] == 2, "the manual edit was overridden within its window"
+
+        # At the window's end the load decides again -- once, not in a loop.
+        clock.now += 1
         await cluster.wait_for(lambda: replicas(cluster)["decode"] == 4, "the autoscaler's next decision")
-        assert time.monotonic() - edited >= window
         ticks = cluster.calls("autoscale")
         await cluster.wait_for(lambda: cluster.calls("autoscale") >= ticks + 5, "more decisions")
         # 1 -> 4 (load), 2 (the person), 4 (the next window): no back-and-forth.
@@ -308,3 +327,48 @@ async def test_autoscaled_resource_can_still_be_deleted(cluster, make_isvc, stat
                                .get("finalizers"), "kopf's finalizer")
         await cluster.delete("InferenceService", "demo")
         await cluster.wait_for(lambda: cluster.get("InferenceService", "demo") is None, "the resource gone")
+
+
+# --- against the real coordinator --------------------------------------------------------------------
+
+def test_decides_from_a_real_coordinators_stats(tmp_path):
+    """`pdserve coordinator` fed with engine reports: its /stats is what the autoscaler reads."""
+    from pdserve.operator.autoscaler import fetch_loads
+    from support.coordinator import FakeEngine, run_coordinator, wait_for
+
+    live = {("p0", "prefill"): dict(waiting=0, running=1, kv_usage=0.25),
+            ("d0", "decode"): dict(waiting=6, running=2, kv_usage=0.5),
+            ("d1", "decode"): dict(waiting=4, running=3, kv_usage=0.25)}
+    with run_coordinator("--stale-after", "1", tmp_path=tmp_path) as coordinator:
+        engines = {key: FakeEngine(coordinator.stats_address, key[0], role=key[1], address=f"10.0.0.{i}:8000")
+                   for i, key in enumerate(live)}
+        dead = FakeEngine(coordinator.stats_address, "d-dead", role="decode", address="10.0.0.9:8000")
+        try:
+            dead.report(waiting=100, running=8, kv_usage=1.0)  # and then never again
+
+            def dead_is_stale() -> bool:
+                for key, fields in live.items():
+                    engines[key].report(**fields)  # the live ones keep reporting
+                entry = coordinator.engine("d-dead")
+                return bool(entry and entry["stale"])
+
+            wait_for(dead_is_stale, "the silent engine marked stale", interval=0.2)
+            for key, fields in live.items():
+                engines[key].report(**fields)
+            wait_for(lambda: {e["id"] for e in coordinator.stats()["engines"] if not e["stale"]} == {"p0", "d0", "d1"},
+                     "the live engines")
+            loads = fetch_loads(f"{coordinator.url}/stats", timeout=5)
+        finally:
+            for engine in [*engines.values(), dead]:
+                engine.close()
+    # The stale engine's 100 queued requests are not counted.
+    assert loads == {"prefill": PoolLoad(1, 0, 1, 0.25), "decode": PoolLoad(2, 10, 5, 0.75)}
+    coupled = spec(pdRatio="1:2",
+                   prefill={"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 2,
+                                                           "targetWaitingPerReplica": 4}},
+                   decode={"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 4,
+                                                          "targetWaitingPerReplica": 4}})
+    # 10 queued on decode want 3 replicas; prefill follows 1:2 (ceil(3/2) = 2). Counting the stale
+    # engine would have asked for the maximum, 4.
+    decision = decide(coupled, {"prefill": 1, "decode": 2}, loads, {}, T0)
+    assert decision.replicas == {"prefill": 2, "decode": 3}

@@ -139,7 +139,8 @@ def test_engine_command_lines():
         "serve", "--model", "/models/llama", "--served-model-name", "llama-3-8b", "--host", "0.0.0.0",
         "--port", "8000", "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--max-model-len", "4096",
         "--block-size", "16", "--max-num-seqs", "256", "--enable-prefix-caching", "--engine-role", "prefill",
-        "--kv-transfer-config", '{"kv_connector":"p2p","kv_connector_extra_config":{},"kv_role":"kv_producer"}',
+        "--kv-transfer-config",
+        '{"kv_connector":"p2p","kv_connector_extra_config":{"side_channel_port":5600},"kv_role":"kv_producer"}',
         "--coordinator-address", "llama-coordinator:5557",
     ]
     decode = container(deployments["llama-decode"])["args"]
@@ -161,6 +162,10 @@ def test_engine_command_lines_are_accepted_by_pdserve_serve(name):
         assert parsed.engine_role == role
         assert parsed.port == int(flag(args, "--port"))
         assert parsed.kv_transfer_config == json.loads(flag(args, "--kv-transfer-config"))
+        from pdserve.kvstore.config import parse_kv_transfer_config
+
+        assert parse_kv_transfer_config(parsed.kv_transfer_config).connector == SPECS[name]["spec"].get(
+            "kvTransfer", {}).get("connector", "p2p")
 
 
 def test_engine_settings_and_extra_args():
@@ -173,7 +178,7 @@ def test_engine_settings_and_extra_args():
     assert args[-2:] == ["--long-prefill-token-threshold=512", "--seed=7"]
     assert json.loads(flag(args, "--kv-transfer-config")) == {
         "kv_connector": "shared-storage", "kv_role": "kv_consumer",
-        "kv_connector_extra_config": {"shared_storage_path": "/kv-shared"}}
+        "kv_connector_extra_config": {"path": "/kv-shared"}}
     pod = deployments["llama-decode"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -249,7 +254,7 @@ def test_kv_store_only_for_its_connector():
     assert kvstore["spec"]["strategy"] == {"type": "Recreate"} and kvstore["spec"]["replicas"] == 1
     assert by_kind(manifests, "Service")["llama-kvstore"]["spec"]["ports"][0]["port"] == 5700
     config = json.loads(flag(container(deployments["llama-prefill"])["args"], "--kv-transfer-config"))
-    assert config["kv_connector_extra_config"] == {"kvstore_address": "llama-kvstore:5700"}
+    assert config["kv_connector_extra_config"] == {"kvstore_url": "tcp://llama-kvstore:5700"}
     for case in ("defaults", "model and KV files on PVCs, API key, extras"):
         assert "llama-kvstore" not in by_kind(render(SPECS[case]), "Deployment")
 

@@ -1,0 +1,117 @@
+"""The HTTP edge shared by the engine server and the router: body limits, the API key, the
+X-Request-ID echo, JSON body parsing with OpenAI-style errors, disconnect watching.
+
+Nothing here imports torch or the engine: the router and coordinator start without them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from pdserve.engine.server.errors import APIError, error_response
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+@dataclass
+class ServerSettings:
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class LimitsAndAuth:
+    """ASGI middleware: refuse bodies over the limit (413) and, on /v1, requests without the key (401).
+
+    Plain ASGI rather than a Starlette BaseHTTPMiddleware, which would buffer streaming responses.
+    """
+
+    def __init__(self, app: Any, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        client_id = headers.get("x-request-id")
+        if client_id is not None:
+            send = _echo_request_id(send, client_id.encode("latin-1"))
+        if self.settings.api_key and scope["path"].startswith("/v1"):
+            # Constant time: how much of a guess matches must not show in how long the answer takes.
+            given = headers.get("authorization", "").encode("latin-1")
+            if not hmac.compare_digest(given, f"Bearer {self.settings.api_key}".encode()):
+                return await error_response(401, "Invalid or missing API key.", code="invalid_api_key")(scope, receive, send)
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return await self._too_large(scope, receive, send, int(declared))
+        received = 0
+        rejected = False
+
+        async def limited_receive() -> dict:
+            nonlocal received, rejected
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    rejected = True
+                    raise _BodyTooLarge(received)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge as exc:
+            await self._too_large(scope, receive, send, exc.size)
+
+    async def _too_large(self, scope: dict, receive: Callable, send: Callable, size: int) -> None:
+        message = f"Request body too large: {size} bytes; the limit is {self.settings.max_body_bytes} bytes."
+        await error_response(413, message, code="request_too_large")(scope, receive, send)
+
+
+def _echo_request_id(send: Callable, value: bytes) -> Callable:
+    """The client's X-Request-ID goes back on the response, for its own correlation. The engine never
+    uses it as a request id: two clients (or retries) sending the same one must not collide."""
+    async def send_with_id(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*kept, (b"x-request-id", value)]}
+        await send(message)
+    return send_with_id
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}.") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"Invalid request: {where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
+
+
+def disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
+    async def wait() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    return wait

@@ -1,0 +1,293 @@
+"""The router's OpenAI-compatible HTTP app: the engine server's validation, limits and errors, in front
+of the P/D flow; background tasks for health checks, the coordinator feed and discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
+from pdserve.engine.server.errors import APIError, error_response
+from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.router.balancer import Policy
+from pdserve.router.endpoints import Endpoint, Health, HealthChecker, Pool, Pools, error_text
+from pdserve.router.feed import FeedState, FeedSubscriber
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pd import FlowSettings, PDFlow, RoutedRequest
+from pdserve.router.prefix import LocalTokenizer, estimate_tokens
+
+log = logging.getLogger("pdserve.router")
+
+# Tasks that keep the pools current (discovery); each gets the pools and runs until cancelled.
+PoolTask = Callable[[Pools], Awaitable[None]]
+
+
+@dataclass
+class RouterSettings:
+    model: str
+    policy: Policy = Policy.LEAST_LOADED
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    health_interval: float = 2.0
+    tokenizer: str | None = None
+    coordinator_address: str | None = None
+    coordinator_http_port: int = 8080
+    flow: FlowSettings = field(default_factory=FlowSettings)
+    max_connections: int = 1000
+
+
+class Router:
+    """Everything one router process holds: pools, feed, flow, metrics, and its background tasks."""
+
+    def __init__(self, settings: RouterSettings, static_prefill: list[str] = (), static_decode: list[str] = (),
+                 discovery: list[PoolTask] = ()) -> None:  # type: ignore[assignment]
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.pools = Pools(settings.policy, on_change=self._pool_changed)
+        self.health = Health(on_change=self._health_changed)
+        self.feed = FeedState() if settings.coordinator_address else None
+        self.tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+        self.discovery = list(discovery)
+        self.client: httpx.AsyncClient | None = None
+        self.flow: PDFlow | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._known: dict[str, set[str]] = {}
+        self._tokenize_turn = itertools.count()
+        self.pools.prefill.replace(static_prefill)
+        self.pools.decode.replace(static_decode)
+
+    # -- metrics follow the pools --------------------------------------------------------------
+
+    def _pool_changed(self, pool: Pool) -> None:
+        known = self._known.setdefault(pool.name, set())
+        for url in set(pool.endpoints) - known:
+            self.metrics.endpoint_added(pool.name, url, pool.endpoints[url].healthy)
+        for url in known - set(pool.endpoints):
+            self.metrics.endpoint_removed(pool.name, url)
+        self._known[pool.name] = set(pool.endpoints)
+
+    def _health_changed(self, endpoint: Endpoint) -> None:
+        if endpoint.url in self._known.get(endpoint.pool, ()):
+            self.metrics.healthy.labels(endpoint.pool, endpoint.url).set(1 if endpoint.healthy else 0)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=self.settings.max_connections,
+                              max_keepalive_connections=min(256, self.settings.max_connections))
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=2.0))
+        self.flow = PDFlow(self.pools, self.health, self.client, self.metrics, self.settings.flow, self.feed)
+        checker = HealthChecker(self.pools, self.health, self.client, self.settings.health_interval)
+        self._spawn(checker.run, "health checks")
+        if self.feed is not None and self.settings.coordinator_address:
+            subscriber = FeedSubscriber(self.settings.coordinator_address, self.feed,
+                                        seed_url=self._blocks_url(), client=self.client)
+            self._spawn(subscriber.run, "coordinator feed")
+            self._spawn(self._watch_feed, "coordinator feed gauge")
+        for discover in self.discovery:
+            self._spawn(lambda discover=discover: discover(self.pools), "endpoint discovery")
+
+    def _blocks_url(self) -> str | None:
+        host = (self.settings.coordinator_address or "").rsplit(":", 1)[0]
+        return f"http://{host}:{self.settings.coordinator_http_port}/blocks" if host else None
+
+    def _spawn(self, run: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run a background loop for the router's lifetime, restarting it if it crashes."""
+        async def guarded() -> None:
+            while True:
+                try:
+                    await run()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("%s failed; restarting in 1 s", what)
+                    await asyncio.sleep(1.0)
+
+        self._tasks.append(asyncio.ensure_future(guarded()))
+
+    async def _watch_feed(self) -> None:
+        while True:
+            self.metrics.feed_alive.set(1 if self.feed is not None and self.feed.alive() else 0)
+            await asyncio.sleep(0.5)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        self._tasks.clear()
+        if self.client is not None:
+            await self.client.aclose()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def forwarded_headers(self, request: Request, prefix: str) -> dict[str, str]:
+        headers = {"x-request-id": request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"}
+        auth = request.headers.get("authorization")
+        if auth:
+            headers["authorization"] = auth
+        return headers
+
+    async def completion_request(self, request: Request) -> RoutedRequest:
+        parsed: CompletionRequest = await parse_body(request, CompletionRequest)
+        self.check_model(parsed.model)
+        body = json.loads(await request.body())
+        prompts = parsed.prompts()
+        routed = RoutedRequest("completions", body, self.forwarded_headers(request, "cmpl"), stream=parsed.stream,
+                               single_prompt=len(prompts) == 1)
+        if routed.single_prompt:
+            prompt = prompts[0]
+            if self.tokenizer is not None:
+                routed.token_ids = self._tokenize(lambda: self.tokenizer.completion(prompt))  # type: ignore[union-attr]
+            elif isinstance(prompt, list):
+                routed.token_ids = list(prompt)
+            routed.prompt_tokens = len(routed.token_ids) if routed.token_ids is not None else (
+                estimate_tokens(len(prompt)) if isinstance(prompt, str) else None)
+        await self._remote_tokens(routed, {"prompt": prompts[0]} if routed.single_prompt else None)
+        return routed
+
+    async def chat_request(self, request: Request) -> RoutedRequest:
+        parsed: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        self.check_model(parsed.model)
+        body = json.loads(await request.body())
+        routed = RoutedRequest("chat", body, self.forwarded_headers(request, "chatcmpl"), stream=parsed.stream)
+        try:
+            messages = [{"role": msg.role, "content": msg.text()} for msg in parsed.messages]
+        except ValueError as exc:
+            raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+        if self.tokenizer is not None:
+            routed.token_ids = self._tokenize(lambda: self.tokenizer.chat(  # type: ignore[union-attr]
+                messages, parsed.add_generation_prompt, parsed.chat_template_kwargs))
+        routed.prompt_tokens = len(routed.token_ids) if routed.token_ids is not None else estimate_tokens(
+            sum(len(msg["content"]) for msg in messages))
+        await self._remote_tokens(routed, {"messages": body["messages"],
+                                           "add_generation_prompt": parsed.add_generation_prompt,
+                                           **({"chat_template_kwargs": parsed.chat_template_kwargs}
+                                              if parsed.chat_template_kwargs else {})})
+        return routed
+
+    @staticmethod
+    def _tokenize(compute: Callable[[], list[int]]) -> list[int] | None:
+        try:
+            return compute()
+        except Exception as exc:  # the engine reports a bad prompt itself; routing just loses the hint
+            log.debug("local tokenization failed: %s", error_text(exc))
+            return None
+
+    async def _remote_tokens(self, routed: RoutedRequest, prompt: dict[str, Any] | None) -> None:
+        """Prefix-aware without a local tokenizer: ask an engine for the prompt's token ids."""
+        if (prompt is None or routed.token_ids is not None or self.settings.policy is not Policy.PREFIX_AWARE
+                or self.feed is None or not self.feed.alive() or self.client is None):
+            return
+        engines = self.pools.decode.healthy() or self.pools.prefill.healthy()
+        if not engines:
+            return
+        engine = engines[next(self._tokenize_turn) % len(engines)]
+        try:
+            response = await self.client.post(f"{engine.url}/tokenize", json={"model": self.settings.model, **prompt},
+                                              headers={k: v for k, v in routed.headers.items() if k == "authorization"},
+                                              timeout=httpx.Timeout(5.0, connect=self.settings.flow.connect_timeout))
+            if response.status_code == 200:
+                tokens = response.json().get("tokens")
+                if isinstance(tokens, list):
+                    routed.token_ids = tokens
+                    routed.prompt_tokens = len(tokens)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("tokenizing through %s failed: %s", engine.url, error_text(exc))
+
+    async def serve(self, request: Request, routed: RoutedRequest) -> Response:
+        """Run the flow, cancelling both legs if the client goes away before the answer starts."""
+        assert self.flow is not None
+        work = asyncio.ensure_future(self.flow.serve(routed))
+        gone = asyncio.ensure_future(disconnect_watcher(request)())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                self.metrics.errors.labels("client_disconnected").inc()
+        if work.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        return work.result()
+
+    def health_body(self) -> dict[str, Any]:
+        pools = {pool.name: {"endpoints": len(pool), "healthy": len(pool.healthy())} for pool in self.pools}
+        body: dict[str, Any] = {"status": "ok", "model": self.settings.model, "pools": pools}
+        if self.feed is not None:
+            body["coordinator"] = "alive" if self.feed.alive() else "silent"
+        return body
+
+
+def build_app(router: Router) -> Any:
+    settings = router.settings
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.router = router
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.status < 500 and exc.code not in ("no_engines", "upstream_failed"):
+            router.metrics.errors.labels("bad_request" if exc.status != 404 else "model_not_found").inc()
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        router.metrics.errors.labels("internal").inc()
+        return error_response(500, f"Internal error: {type(exc).__name__}: {exc}")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        router.metrics.requests.labels("completions").inc()
+        return await router.serve(request, await router.completion_request(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        router.metrics.requests.labels("chat").inc()
+        return await router.serve(request, await router.chat_request(request))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": started,
+                                            "owned_by": "pdserve"}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        # The router itself is up even with empty pools: completions then answer 503 "no engines".
+        return router.health_body()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return LimitsAndAuth(app, ServerSettings(api_key=settings.api_key, max_body_bytes=settings.max_body_bytes))

@@ -1,0 +1,110 @@
+"""`pdserve router`: the OpenAI-compatible front of a disaggregated (or single-pool) deployment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pdserve.router.balancer import Policy
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", required=True, help="the model name clients send (the engines' served name)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    p.add_argument("--routing-policy", choices=[policy.value for policy in Policy], default=Policy.LEAST_LOADED.value)
+    p.add_argument("--coordinator-address", help="host:port of the coordinator's load feed (zmq PUB)")
+    p.add_argument("--coordinator-http-port", type=int, default=8080,
+                   help="the coordinator's HTTP port, for the prefix index snapshot (GET /blocks)")
+    static = p.add_argument_group("static endpoints")
+    static.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                        help="prefill engine URLs (none: every request goes to the decode pool alone)")
+    static.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL", help="decode engine URLs")
+    k8s = p.add_argument_group("Kubernetes discovery (EndpointSlices)")
+    k8s.add_argument("--prefill-service", help="Service whose ready endpoints form the prefill pool")
+    k8s.add_argument("--decode-service", help="Service whose ready endpoints form the decode pool")
+    k8s.add_argument("--namespace", help="namespace of the Services (default: the pod's, else 'default')")
+    k8s.add_argument("--engine-port", type=int, default=8000, help="the engines' HTTP port")
+    k8s.add_argument("--relist-interval", type=float, default=30.0,
+                     help="seconds between full re-lists of the EndpointSlices")
+    k8s.add_argument("--kubeconfig", help="kubeconfig outside a cluster (default: $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
+                   help="shorter prompts skip the prefill pool (0: disaggregate every request)")
+    p.add_argument("--tokenizer", help="tokenizer directory: exact prompt lengths and prefix hashes locally")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health checks")
+    p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to an engine")
+    p.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds a prefill leg may take")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a decode engine may stay silent before the request fails")
+    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the endpoint flags, if anything."""
+    kubernetes = args.prefill_service or args.decode_service
+    if kubernetes and (args.prefill or args.decode):
+        return "give either static endpoints (--prefill/--decode) or Services (--prefill-service/--decode-service)"
+    if kubernetes and not args.decode_service:
+        return "--decode-service is required with --prefill-service"
+    if not kubernetes and not args.decode:
+        return "no engines: give --decode URL... (and optionally --prefill URL...), or --decode-service"
+    for value, name in ((args.health_interval, "--health-interval"), (args.relist_interval, "--relist-interval"),
+                        (args.connect_timeout, "--connect-timeout"), (args.prefill_timeout, "--prefill-timeout"),
+                        (args.request_timeout, "--request-timeout")):
+        if value <= 0:
+            return f"{name} must be positive"
+    if args.pd_min_prompt_tokens < 0:
+        return "--pd-min-prompt-tokens must be 0 or more"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.logging_config import configure_logging
+
+    configure_logging(args.log_level)
+    problem = check_arguments(args)
+    if problem:
+        print(f"pdserve router: {problem}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from pdserve.engine.server.cli import GracefulServer
+    from pdserve.router.app import Router, RouterSettings, build_app
+    from pdserve.router.endpoints import normalize_url
+    from pdserve.router.pd import FlowSettings
+
+    settings = RouterSettings(
+        model=args.model, policy=Policy(args.routing_policy), api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes, health_interval=args.health_interval, tokenizer=args.tokenizer,
+        coordinator_address=args.coordinator_address, coordinator_http_port=args.coordinator_http_port,
+        flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, connect_timeout=args.connect_timeout,
+                          prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout))
+    discovery = []
+    try:
+        prefill = [normalize_url(u) for u in args.prefill]
+        decode = [normalize_url(u) for u in args.decode]
+        if args.decode_service:
+            from pdserve.router.discovery import default_namespace, kube_connection, kubernetes_discovery
+
+            connection = kube_connection(args.kubeconfig)
+            discovery.append(kubernetes_discovery(connection, args.namespace or default_namespace(),
+                                                  args.prefill_service, args.decode_service, args.engine_port,
+                                                  args.relist_interval))
+        router = Router(settings, prefill, decode, discovery)
+    except Exception as exc:  # bad URLs, no cluster config, an unreadable tokenizer: say so and stop
+        print(f"pdserve router: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    pools = (f"Services {args.prefill_service or '-'} / {args.decode_service} in namespace "
+             f"{args.namespace or 'the pod namespace'}" if args.decode_service
+             else f"{len(prefill)} prefill + {len(decode)} decode endpoints")
+    print(f"pdserve router: ready on http://{args.host}:{args.port}/v1 (model {args.model}, "
+          f"{args.routing_policy}, {pools})", flush=True)
+    config = uvicorn.Config(build_app(router), host=args.host, port=args.port, log_level="warning",
+                            access_log=False, timeout_keep_alive=30, lifespan="on")
+    GracefulServer(config).run()
+    return 0

@@ -1,0 +1,52 @@
+"""The router's Prometheus metrics (`pdserve_router_*`), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+               300.0, 600.0)
+
+# P/D decisions
+DISAGGREGATED = "disaggregated"
+LOCAL_ONLY = "local_only"
+PREFILL_FAILED = "prefill_failed"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "Requests received, by API route.", ["route"], registry=r)
+        self.errors = Counter("pdserve_router_errors", "Requests that ended in an error, by kind.", ["kind"],
+                              registry=r)
+        self.pd_decisions = Counter("pdserve_router_pd_decisions",
+                                    "How requests were served: disaggregated, local_only (decode pool alone), "
+                                    "or prefill_failed (fell back to the decode pool).", ["decision"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "Legs retried on another engine.", ["pool"], registry=r)
+        self.picks = Counter("pdserve_router_endpoint_picks", "Legs sent to each endpoint.", ["pool", "endpoint"],
+                             registry=r)
+        self.leg_seconds = Histogram("pdserve_router_leg_seconds",
+                                     "Seconds per leg: prefill (until its answer), decode (until the last byte).",
+                                     ["leg"], buckets=LEG_BUCKETS, registry=r)
+        self.in_flight = Gauge("pdserve_router_in_flight", "Open legs per endpoint.", ["pool", "endpoint"],
+                               registry=r)
+        self.healthy = Gauge("pdserve_router_endpoint_healthy", "1 if the endpoint is admitted, 0 if ejected.",
+                             ["pool", "endpoint"], registry=r)
+        self.feed_alive = Gauge("pdserve_router_coordinator_feed_alive",
+                                "1 while the coordinator feed is fresh (balancing on its counts).", registry=r)
+        for decision in (DISAGGREGATED, LOCAL_ONLY, PREFILL_FAILED):
+            self.pd_decisions.labels(decision)
+
+    def endpoint_added(self, pool: str, url: str, healthy: bool) -> None:
+        self.healthy.labels(pool, url).set(1 if healthy else 0)
+        self.in_flight.labels(pool, url).set(0)
+
+    def endpoint_removed(self, pool: str, url: str) -> None:
+        for metric in (self.healthy, self.in_flight, self.picks):
+            try:
+                metric.remove(pool, url)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
