@@ -26,11 +26,21 @@ def safetensors_files(path: str) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [root / n for n in names]
+        return [root / _index_entry(index, n) for n in names]
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors files in {path!r}")
     return files
+
+
+def _index_entry(index: Path, name: object) -> Path:
+    """A file named by a safetensors index, which must lie inside the model directory: a downloaded
+    checkpoint must not make the server read files elsewhere. (Symlinks inside the directory are
+    followed, as the Hugging Face cache's snapshot folders are made of them.)"""
+    entry = Path(name) if isinstance(name, str) and name else None
+    if entry is None or entry.is_absolute() or ".." in entry.parts or entry.drive:
+        raise ValueError(f"{index}: weight_map entry {name!r} is not a file name inside the model directory")
+    return entry
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = False) -> torch.nn.Module:
