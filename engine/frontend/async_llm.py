@@ -16,6 +16,8 @@ from typing import Any, AsyncGenerator, Callable
 
 from pdserve.engine.config import EngineArgs, EngineConfig
 from pdserve.engine.frontend.input_processor import InputProcessor, PromptType
+from pdserve.engine.frontend.limits import RequestLimits
+from pdserve.engine.frontend.dp_client import DPAsyncMPClient, make_async_client
 from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError
 from pdserve.engine.frontend.output_processor import IterationStats, OutputProcessor, ParentRequest
 from pdserve.engine.frontend.tokenizer import load_tokenizer
@@ -25,8 +27,9 @@ from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("pdserve.engine.async_llm")
 
-# Called after every batch of outputs with the core's scheduler stats and the frontend's latencies.
-StatsListener = Callable[[SchedulerStats | None, IterationStats], None]
+# Called after every batch of outputs with the core's scheduler stats, the frontend's latencies,
+# and the index of the engine core (data-parallel rank) the batch came from.
+StatsListener = Callable[[SchedulerStats | None, IterationStats, int], None]
 
 
 class RequestOutputCollector:
@@ -68,12 +71,16 @@ def _merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: AsyncMPClient | None = None) -> None:
+    def __init__(self, config: EngineConfig, client: "AsyncMPClient | DPAsyncMPClient | None" = None,
+                 limits: RequestLimits | None = None) -> None:
         self.config = config
+        self.limits = limits or RequestLimits()
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = client or AsyncMPClient(config)
+        self.client = client or make_async_client(config)
+        if config.num_kv_blocks:  # known once the core's READY arrived
+            self.input_processor.kv_capacity_tokens = config.num_kv_blocks * config.cache.block_size
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.stats_listeners: list[StatsListener] = []
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -81,8 +88,8 @@ class AsyncLLM:
         self.dead_error: Exception | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, limits: RequestLimits | None = None) -> "AsyncLLM":
+        return cls(args.create_engine_config(), limits=limits)
 
     @property
     def model_name(self) -> str:
@@ -91,6 +98,13 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self.dead_error is not None or self.client.dead
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Core requests submitted and not yet running. The running count comes with the core's
+        latest step, so until the next one arrives, just-admitted requests still count."""
+        stats = self.last_scheduler_stats
+        return max(0, len(self.output_processor.states) - (stats.num_running_reqs if stats else 0))
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -101,6 +115,9 @@ class AsyncLLM:
             raise EngineDeadError(str(self.dead_error or self.client.dead_reason))
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.limits.check_sampling(params)
+        # No await from here until the request is registered, so concurrent calls count each other.
+        self.limits.check_waiting(self.num_waiting_requests)
         self._ensure_handler()
         if params.n == 1:
             children = [(self.input_processor.process(request_id, prompt, params, priority=priority,
@@ -168,7 +185,7 @@ class AsyncLLM:
                     self.last_scheduler_stats = outputs.scheduler_stats
                 iteration = self.output_processor.take_stats()
                 for listener in self.stats_listeners:
-                    listener(outputs.scheduler_stats, iteration)
+                    listener(outputs.scheduler_stats, iteration, outputs.engine_index)
         except EngineDeadError as exc:
             self._fail_everything(exc)
         except asyncio.CancelledError:

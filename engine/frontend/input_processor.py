@@ -6,11 +6,11 @@ import time
 from typing import Any, Union
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
 from pdserve.engine.protocol import EngineCoreRequest
 from pdserve.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
-
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
@@ -20,6 +20,8 @@ class InputProcessor:
         self.eos_token_id = eos if eos is not None else (model_config.eos_token_ids or [None])[0]
         # Other end-of-sequence ids from the generation config (e.g. a chat turn's end) stop too.
         self.extra_stop_ids = [t for t in model_config.eos_token_ids if t != self.eos_token_id]
+        # Tokens of KV the engine's cache holds; set by the owner once the core reports its size.
+        self.kv_capacity_tokens: int | None = None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -53,6 +55,12 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids must be in [0, {mc.vocab_size})")
         if params.logit_bias and any(int(t) < 0 or int(t) >= mc.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {mc.vocab_size})")
+        # The core refuses such a request too, but only after accepting it (an aborted output).
+        capacity = self.kv_capacity_tokens
+        needed = min(len(prompt_token_ids) + (params.max_tokens or mc.max_model_len), mc.max_model_len)
+        if capacity is not None and needed > capacity:
+            raise ValueError(f"the request may need {needed} tokens of KV cache (prompt plus max_tokens), but "
+                             f"this engine's cache holds {capacity}; lower max_tokens or shorten the prompt")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *, arrival_time: float | None = None,
                 priority: int = 0, kv_transfer_params: dict[str, Any] | None = None,
@@ -77,6 +85,7 @@ class InputProcessor:
                             chat_template: str | None = None, **kwargs: Any) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
+        check_chat_template_kwargs(kwargs)
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                  chat_template=chat_template, **kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -23,6 +23,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = client or InprocClient(config)
+        if config.num_kv_blocks:  # set by the core as it sized its cache
+            self.input_processor.kv_capacity_tokens = config.num_kv_blocks * config.cache.block_size
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, multiprocess: bool = False) -> "LLMEngine":

@@ -230,13 +230,13 @@ class SyncMPClient(MPClientBase, EngineCoreClient):
 class AsyncMPClient(MPClientBase):
     """For the server: asyncio calls; outputs arrive through `get_output_async`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         # Set before the engine starts: a failed start calls shutdown(), which reads them.
         self.outputs_queue: asyncio.Queue | None = None
         self.utility_futures: dict[int, asyncio.Future] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task | None = None
-        super().__init__(config)
+        super().__init__(config, engine_index)
         # The sockets are made synchronous for the handshake; shadows drive them from asyncio.
         self.input_socket = zmq.asyncio.Socket.shadow(self._sync_input.underlying)
         self.async_output = zmq.asyncio.Socket.shadow(self.output_socket.underlying)

@@ -2,109 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from pdserve.engine.frontend.async_llm import AsyncLLM
+from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.server.errors import APIError, error_body, error_response
+from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
 from pdserve.engine.server.metrics import EngineMetrics
-from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.engine.server.serving import Serving, new_request_id
+from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.engine.server.serving import Serving, new_error_id, new_request_id
 
 log = logging.getLogger("pdserve.server")
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-
-
-@dataclass
-class ServerSettings:
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-
-
-class LimitsAndAuth:
-    """ASGI middleware: refuse bodies over the limit (413) and, on /v1, requests without the key (401).
-
-    Plain ASGI rather than a Starlette BaseHTTPMiddleware, which would buffer streaming responses.
-    """
-
-    def __init__(self, app: Any, settings: ServerSettings) -> None:
-        self.app = app
-        self.settings = settings
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.settings.api_key and scope["path"].startswith("/v1"):
-            if headers.get("authorization", "") != f"Bearer {self.settings.api_key}":
-                return await error_response(401, "Invalid or missing API key.", code="invalid_api_key")(scope, receive, send)
-        limit = self.settings.max_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await self._too_large(scope, receive, send, int(declared))
-        received = 0
-        rejected = False
-
-        async def limited_receive() -> dict:
-            nonlocal received, rejected
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    rejected = True
-                    raise _BodyTooLarge(received)
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge as exc:
-            await self._too_large(scope, receive, send, exc.size)
-
-    async def _too_large(self, scope: dict, receive: Callable, send: Callable, size: int) -> None:
-        message = f"Request body too large: {size} bytes; the limit is {self.settings.max_body_bytes} bytes."
-        await error_response(413, message, code="request_too_large")(scope, receive, send)
-
-
-class _BodyTooLarge(Exception):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}.") from None
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "The request body must be a JSON object.")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"Invalid request: {where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"] else None) from None
-
-
-def disconnect_watcher(request: Request) -> Callable[[], Awaitable[None]]:
-    async def wait() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-    return wait
+class TokenizeRequest(BaseModel):
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -125,10 +48,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, f"The engine is not running: {exc}", code="engine_dead")
 
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, exc: EngineOverloadedError) -> JSONResponse:
+        response = error_response(503, str(exc), code="engine_overloaded")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(500, f"Internal error: {type(exc).__name__}: {exc}")
+        # Exception text can carry paths and internals: it goes to the log, the client gets an id.
+        error_id = new_error_id()
+        log.error("unhandled error (error id %s)", error_id, exc_info=exc)
+        return error_response(500, f"Internal server error (error id {error_id}).")
 
     async def respond(result: Any) -> Response:
         if isinstance(result, dict):
@@ -144,15 +75,35 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     async def completions(request: Request) -> Response:
         check_alive()
         body = await parse_body(request, CompletionRequest)
-        request_id = request.headers.get("x-request-id") or new_request_id("cmpl")
+        request_id = new_request_id("cmpl")  # never the client's X-Request-ID (see _echo_request_id)
         return await respond(await serving.completions(body, request_id, disconnect_watcher(request)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         check_alive()
         body = await parse_body(request, ChatCompletionRequest)
-        request_id = request.headers.get("x-request-id") or new_request_id("chatcmpl")
+        request_id = new_request_id("chatcmpl")
         return await respond(await serving.chat(body, request_id, disconnect_watcher(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """The prompt's token ids as the completion routes compute them (routers hash them for prefix routing)."""
+        check_alive()
+        body = await parse_body(request, TokenizeRequest)
+        serving.check_model(body.model)
+        try:
+            if body.messages is not None:
+                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                ids = await serving.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
+            elif isinstance(body.prompt, str):
+                ids = await serving.tokenize(body.prompt)
+            elif body.prompt is not None:
+                ids = engine.input_processor.tokenize(body.prompt)[1]
+            else:
+                raise APIError(400, "give either prompt or messages", param="prompt")
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"cannot tokenize: {exc}") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.config.model.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -26,7 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine cores behind this server, each with its own scheduler, KV cache and TP workers")
+    p.add_argument("--data-parallel-lockstep", action="store_true",
+                   help="data-parallel ranks step in waves: while any has work all step (for expert parallelism)")
+    p.add_argument("--dp-coordinator-http-port", type=int, default=0,
+                   help="HTTP port of the in-pod coordinator (/stats) started when data-parallel size > 1 and "
+                        "no --coordinator-address is given (default: a free port)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -42,14 +48,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--max-n", type=int, default=16, help="the most completions one request may ask for (n)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="with this many requests queued in the engine, new ones get 503 and Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish after SIGTERM")
     p.add_argument("--engine-role", choices=["prefill", "decode", "both"], default="both",
                    help="this engine's pool in a disaggregated deployment")
     p.add_argument("--kv-transfer-config", type=json.loads,
                    help='KV connector settings as JSON, e.g. {"kv_connector": "p2p", "kv_role": "kv_producer"}')
-    p.add_argument("--coordinator-address", help="host:port of the coordinator that collects this engine's load")
+    p.add_argument("--coordinator-address", type=host_port,
+                   help="host:port of the coordinator that collects this engine's load")
+    p.add_argument("--coordinator-publish-address",
+                   help="host:port of that coordinator's feed; the data-parallel ranks are balanced by it")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+def host_port(text: str) -> str:
+    from pdserve.engine.core.load_reporter import parse_host_port
+
+    try:
+        parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def engine_args_from(args: argparse.Namespace):
@@ -64,25 +86,57 @@ def engine_args_from(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy, tensor_parallel_size=args.tensor_parallel_size,
         max_logprobs=args.max_logprobs, kv_transfer_config=args.kv_transfer_config,
+        engine_role=args.engine_role, coordinator_address=args.coordinator_address,
+        coordinator_publish_address=args.coordinator_publish_address,
+        data_parallel_size=args.data_parallel_size, data_parallel_lockstep=args.data_parallel_lockstep,
+        advertise_address=advertise_address(args.host, args.port),
     )
+
+
+def advertise_address(host: str, port: int) -> str:
+    """host:port where routers reach this server: the pod's IP when bound to every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        host = os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
 
 
 def run(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) -> int:
     from pdserve.engine.logging_config import configure_logging
 
     configure_logging(args.log_level)
-    if args.data_parallel_size != 1:
-        print("pdserve serve: --data-parallel-size > 1 is not supported by this build; run one engine per pod",
-              file=sys.stderr)
+    if args.data_parallel_size < 1:
+        print(f"pdserve serve: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
-    if args.kv_transfer_config or args.coordinator_address:
-        log.warning("--kv-transfer-config and --coordinator-address are accepted but this build has no KV "
-                    "connector or coordinator client yet; the engine serves requests on its own")
+    coordinator = None
+    if args.data_parallel_size > 1 and not args.coordinator_address:
+        from pdserve.engine.server.dp_coordinator import InPodCoordinator
+
+        try:
+            coordinator = InPodCoordinator.start(args.dp_coordinator_http_port)
+        except OSError as exc:
+            print(f"pdserve serve: {exc}", file=sys.stderr)
+            return 1
+        args.coordinator_address, args.coordinator_publish_address = (coordinator.stats_address,
+                                                                      coordinator.publish_address)
+        print(f"pdserve serve: in-pod coordinator on {coordinator.http_url}/stats", flush=True)
+    try:
+        return _serve(args, on_ready)
+    finally:
+        if coordinator is not None:
+            coordinator.stop()
+
+
+def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int:
     from pdserve.engine.frontend.async_llm import AsyncLLM
     from pdserve.engine.server.app import ServerSettings, build_app
 
     try:
-        engine = AsyncLLM.from_engine_args(engine_args_from(args))
+        from pdserve.engine.frontend.limits import RequestLimits
+
+        limits = RequestLimits(max_n=args.max_n, max_waiting_requests=args.max_waiting_requests)
+        engine = AsyncLLM.from_engine_args(engine_args_from(args), limits=limits)
     except (ValueError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2

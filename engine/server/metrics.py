@@ -21,7 +21,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        # `engine` is the data-parallel rank (engine core index) the numbers come from, as in vLLM.
+        labels = ["model_name", "engine"]
         r = self.registry
         self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", labels, registry=r)
@@ -39,34 +40,77 @@ class EngineMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.success = Counter("vllm:request_success", "Successfully finished requests.", labels + ["finished_reason"],
                                registry=r)
+        # Disaggregated prefill/decode (stay at zero without a KV connector).
+        self.waiting_for_kv = Gauge("pdserve:num_requests_waiting_for_remote_kvs",
+                                    "Requests waiting for their KV cache to arrive from another engine.", labels,
+                                    registry=r)
+        self.kv_held = Gauge("pdserve:kv_blocks_held_for_remote",
+                             "KV blocks of finished prefills kept until a decode engine pulls them.", labels, registry=r)
+        self.prompt_computed = Counter("pdserve:prompt_tokens_computed", "Prompt tokens run through the model here.",
+                                       labels, registry=r)
+        self.kv_external = Counter("pdserve:kv_external_tokens", "Prompt tokens whose KV was loaded from elsewhere.",
+                                   labels, registry=r)
+        self.kv_transfers = Counter("pdserve:kv_transfers", "KV transfers completed (loads and remote reads).",
+                                    labels, registry=r)
+        self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "Bytes of KV moved in or out.", labels, registry=r)
+        self.kv_seconds = Counter("pdserve:kv_transfer_seconds", "Seconds spent loading KV.", labels, registry=r)
+        self.kv_failures = Counter("pdserve:kv_transfer_failures", "KV transfers or saves that failed.", labels,
+                                   registry=r)
+        self.kv_expired = Counter("pdserve:kv_transfers_expired",
+                                  "Held prefill blocks freed by the abort timeout, never pulled.", labels, registry=r)
+        # Lock-step data parallelism (absent otherwise).
+        self.dp_wave = Gauge("pdserve:dp_wave", "The engine core's current lock-step wave.", labels, registry=r)
+        self.dp_steps = Counter("pdserve:dp_lockstep_steps", "Steps run inside lock-step waves, dummy ones included.",
+                                labels, registry=r)
+        self.dp_dummy_steps = Counter("pdserve:dp_dummy_steps",
+                                      "Dummy steps an idle engine core ran to keep pace with busy ones.", labels,
+                                      registry=r)
+        self.dp_step_seconds = Counter("pdserve:dp_lockstep_step_seconds", "Seconds of steps inside lock-step waves.",
+                                       labels, registry=r)
+        self.dp_dummy_seconds = Counter("pdserve:dp_dummy_step_seconds", "Seconds of dummy steps.", labels, registry=r)
         self.model = model_name
-        self._last = SchedulerStats()
+        self._last: dict[int, SchedulerStats] = {}
 
-    def observe(self, stats: SchedulerStats | None, iteration: IterationStats) -> None:
-        m = self.model
+    def observe(self, stats: SchedulerStats | None, iteration: IterationStats, engine_index: int = 0) -> None:
+        m = (self.model, str(engine_index))
         if stats is not None:
-            self.running.labels(m).set(stats.num_running_reqs)
-            self.waiting.labels(m).set(stats.num_waiting_reqs)
-            self.kv_usage.labels(m).set(stats.kv_cache_usage)
-            last = self._last
+            self.running.labels(*m).set(stats.num_running_reqs)
+            self.waiting.labels(*m).set(stats.num_waiting_reqs)
+            self.kv_usage.labels(*m).set(stats.kv_cache_usage)
+            self.waiting_for_kv.labels(*m).set(stats.num_waiting_for_remote_kvs)
+            self.kv_held.labels(*m).set(stats.kv_blocks_held_for_remote)
+            last = self._last.get(engine_index) or SchedulerStats()
             for counter, now, before in (
                 (self.cache_queries, stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.cache_hits, stats.prefix_cache_hits, last.prefix_cache_hits),
                 (self.prompt_tokens, stats.num_prompt_tokens, last.num_prompt_tokens),
                 (self.generation_tokens, stats.num_generation_tokens, last.num_generation_tokens),
                 (self.preemptions, stats.num_preemptions, last.num_preemptions),
+                (self.prompt_computed, stats.prompt_tokens_computed, last.prompt_tokens_computed),
+                (self.kv_external, stats.kv_external_tokens, last.kv_external_tokens),
+                (self.kv_transfers, stats.kv_transfers, last.kv_transfers),
+                (self.kv_bytes, stats.kv_transfer_bytes, last.kv_transfer_bytes),
+                (self.kv_seconds, stats.kv_transfer_seconds, last.kv_transfer_seconds),
+                (self.kv_failures, stats.kv_transfer_failures, last.kv_transfer_failures),
+                (self.kv_expired, stats.kv_transfers_expired, last.kv_transfers_expired),
+                (self.dp_steps, stats.dp_steps, last.dp_steps),
+                (self.dp_dummy_steps, stats.dp_dummy_steps, last.dp_dummy_steps),
+                (self.dp_step_seconds, stats.dp_step_seconds, last.dp_step_seconds),
+                (self.dp_dummy_seconds, stats.dp_dummy_seconds, last.dp_dummy_seconds),
             ):
                 if now > before:
-                    counter.labels(m).inc(now - before)
-            self._last = stats
+                    counter.labels(*m).inc(now - before)
+            if stats.dp_steps:
+                self.dp_wave.labels(*m).set(stats.dp_wave)
+            self._last[engine_index] = stats
         for value in iteration.time_to_first_token:
-            self.ttft.labels(m).observe(value)
+            self.ttft.labels(*m).observe(value)
         for value in iteration.inter_token_latency:
-            self.itl.labels(m).observe(value)
+            self.itl.labels(*m).observe(value)
         for value in iteration.e2e_latency:
-            self.e2e.labels(m).observe(value)
+            self.e2e.labels(*m).observe(value)
         for reason in iteration.finished_reasons:
-            self.success.labels(m, reason).inc()
+            self.success.labels(*m, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

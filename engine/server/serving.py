@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 
 from pdserve.engine.frontend.async_llm import AsyncLLM, RequestOutputCollector
+from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
+from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.errors import APIError
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+log = logging.getLogger("pdserve.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,6 +57,27 @@ class Serving:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.config.model.max_model_len
+        # Templates and long prompts take milliseconds to seconds of CPU: never on the event loop.
+        # One thread, since a fast tokenizer must not be used from two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def tokenize(self, text: str) -> list[int]:
+        return (await self.off_loop(self.engine.input_processor.tokenize, text))[1]
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          template_kwargs: Mapping[str, Any] | None) -> list[int]:
+        """The chat's prompt token ids; raises ValueError or TypeError for messages the template refuses."""
+        template_kwargs = template_kwargs or {}
+        try:
+            check_chat_template_kwargs(template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="chat_template_kwargs") from None
+        return await self.off_loop(self.engine.input_processor.apply_chat_template, messages, add_generation_prompt,
+                                   **template_kwargs)
 
     # -- shared steps ---------------------------------------------------------------------------
 
@@ -80,7 +109,7 @@ class Serving:
             collector = await self.engine.add_request(request_id, prompt, params, priority=body.priority,
                                                       kv_transfer_params=body.kv_transfer_params)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
         return Submitted(request_id, collector, prompt_text, token_ids, params.n)
 
     async def abort_all(self, submitted: list[Submitted]) -> None:
@@ -173,7 +202,7 @@ class Serving:
             raise APIError(400, "prompt must not be empty", param="prompt")
         tokenized = []
         for p in prompts:
-            text, ids = (p, self.engine.input_processor.tokenize(p)[1]) if isinstance(p, str) else (None, list(p))
+            text, ids = (p, await self.tokenize(p)) if isinstance(p, str) else (None, list(p))
             if not ids:
                 raise APIError(400, "the prompt is empty", param="prompt")
             tokenized.append((text, ids))
@@ -237,7 +266,7 @@ class Serving:
         except APIError as exc:
             yield sse({"error": {"message": exc.message, "type": "BadRequestError", "param": exc.param, "code": exc.status}})
         except Exception as exc:
-            yield sse({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+            yield sse(stream_error(exc))
         yield sse("[DONE]")
 
     def _completion_logprobs(self, c: CompletionOutput) -> dict[str, Any] | None:
@@ -264,8 +293,7 @@ class Serving:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = self.engine.input_processor.apply_chat_template(messages, body.add_generation_prompt,
-                                                                  **(body.chat_template_kwargs or {}))
+            ids = await self.render_chat(messages, body.add_generation_prompt, body.chat_template_kwargs)
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"invalid messages: {exc}", param="messages") from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -312,7 +340,7 @@ class Serving:
         except APIError as exc:
             yield sse({"error": {"message": exc.message, "type": "BadRequestError", "param": exc.param, "code": exc.status}})
         except Exception as exc:
-            yield sse({"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+            yield sse(stream_error(exc))
         yield sse("[DONE]")
 
     @staticmethod
@@ -335,3 +363,19 @@ class Serving:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def new_error_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def stream_error(exc: Exception) -> dict[str, Any]:
+    """The error event that ends a stream: a dead engine says so; anything else is logged, and the
+    client gets only an id to quote (exception text can carry paths and internals)."""
+    if isinstance(exc, EngineDeadError):
+        return {"error": {"message": f"The engine is not running: {exc}", "type": "ServiceUnavailableError",
+                          "param": None, "code": 503}}
+    error_id = new_error_id()
+    log.error("stream failed (error id %s)", error_id, exc_info=exc)
+    return {"error": {"message": f"Internal server error (error id {error_id}).", "type": "InternalServerError",
+                      "param": None, "code": 500}}

@@ -7,6 +7,7 @@ weights and must fall back to plain matmuls instead of failing).
 
 from __future__ import annotations
 
+import platform
 import random
 
 import pytest
@@ -68,7 +69,16 @@ def test_widened_bf16_linear_equals_torch_bf16_linear(shape, with_bias):
 
 
 def test_packing_support_is_probed_not_assumed():
-    assert packing_supported(torch.float32) in (True, False)
+    fp32 = packing_supported(torch.float32)
+    if torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64"):
+        assert fp32  # oneDNN packs fp32 weights on every x86 CPU: False here means the probe broke
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 32, generator=gen), torch.randn(4, 32, generator=gen)
+    packed = layers.pack_weight(weight)
+    assert (packed is not None) == fp32
+    if packed is not None:  # 4 rows: inside PACKED_ROWS[float32], so the packed kernel really runs
+        got = layers.linear(x, weight, None, packed)
+        assert torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
     if not cpu_has_native_bf16() and not torch.cpu._is_avx512_supported():
         assert packing_supported(torch.bfloat16) is False
     assert packing_supported(torch.float16) is False  # never packed: not in the measured table

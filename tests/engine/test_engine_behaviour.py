@@ -88,7 +88,8 @@ def test_long_prefill_threshold_equals_unchunked(path, reference):
 def test_preemption_recomputes_and_loses_nothing(path, reference):
     prompts = prompts_of([40, 33, 50, 29, 47, 38, 44, 36], seed=5)
     # Eight requests need ~5 blocks each at the end; 20 blocks cannot hold them all at once.
-    llm = LLM(path, dtype="float32", num_kv_blocks=20, enable_prefix_caching=False)
+    # (The cache must still hold one max_model_len sequence: 20 x 16 = 320 tokens.)
+    llm = LLM(path, dtype="float32", num_kv_blocks=20, max_model_len=320, enable_prefix_caching=False)
     outputs = generate(llm, prompts)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
@@ -100,7 +101,8 @@ def test_preemption_recomputes_and_loses_nothing(path, reference):
 
 def test_priority_policy_preempts_the_least_important(path, reference):
     prompts = prompts_of([40, 40, 40, 40, 40, 40], seed=6)
-    llm = LLM(path, dtype="float32", num_kv_blocks=16, enable_prefix_caching=False, scheduling_policy="priority")
+    llm = LLM(path, dtype="float32", num_kv_blocks=16, max_model_len=256, enable_prefix_caching=False,
+              scheduling_policy="priority")
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, priority=[5, 0, 5, 0, 5, 0])
     assert token_ids(outputs) == reference(prompts)
     assert llm.stats()["num_preemptions"] > 0
