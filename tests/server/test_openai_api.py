@@ -196,8 +196,14 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     start = time.monotonic()
-    while metric("vllm:num_requests_running") == 0:
-        assert time.monotonic() - start < 30, "the request never started running"
+    while metric("vllm:num_requests_running") == 0 and generated() == generated_before:
+        if time.monotonic() - start > 30:
+            sock.settimeout(1.0)
+            try:
+                answer = sock.recv(4096)
+            except OSError as exc:
+                answer = repr(exc).encode()
+            raise AssertionError(f"the request never started running; the server answered {answer!r}")
         time.sleep(0.005)
     sock.close()
     start = time.monotonic()
