@@ -282,6 +282,9 @@ class ParallelConfig:
     data_parallel_lockstep: bool = False
     # Where the lock-step ranks meet for their all-reduce (tcp://host:port, chosen by the DP client).
     data_parallel_init_method: str | None = None
+    # CPU cores this engine core's workers share; None: every core the process may use. The DP
+    # client gives each rank its share, so ranks do not each spin a thread per core.
+    cpu_cores: int | None = None
 
 
 @dataclass

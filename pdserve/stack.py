@@ -35,6 +35,7 @@ class Component:
     argv: tuple[str, ...]
     health_url: str
     stage: int = 0  # started once every component of the earlier stages is healthy
+    env: tuple[tuple[str, str], ...] = ()  # set for this child only, over the stack's environment
 
 
 @dataclass
@@ -128,7 +129,7 @@ class Stack:
 
     def start(self, component: Component) -> Child:
         log_path = self.run_dir / f"{component.name}.log"
-        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", **self.env)
+        env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", **self.env, **dict(component.env))
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pdserve", *component.argv], stdin=subprocess.DEVNULL, stdout=out,

@@ -87,6 +87,18 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(model, model, None)
 
 
+def engine_thread_env(engines: int, tensor_parallel_size: int, cores: int | None = None,
+                      environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
+    """Each engine process (or TP worker) gets an equal share of this machine's cores as its torch
+    threads. Left alone, every engine spins one thread per core, and a prefill running beside a
+    decode makes both many times slower. A user's own OMP_NUM_THREADS wins."""
+    if "OMP_NUM_THREADS" in (os.environ if environ is None else environ):
+        return ()
+    if cores is None:  # not engine.executor's helper: that module imports torch, which `up` never needs
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (("OMP_NUM_THREADS", str(max(1, cores // max(1, engines * tensor_parallel_size)))),)
+
+
 def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
     n_engines = args.prefill + args.decode
     kvstore = args.kv_connector == "kvstore" and args.prefill > 0
@@ -106,6 +118,7 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
 
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     names: dict[str, str] = {}
+    engine_env = engine_thread_env(args.prefill + args.decode, args.tensor_parallel_size)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = next(ports)
@@ -134,7 +147,7 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
             url = f"http://{LOCAL}:{port}"
             urls[role].append(url)
             names[f"{LOCAL}:{port}"] = name
-            components.append(Component(name, tuple(argv), f"{url}/health"))
+            components.append(Component(name, tuple(argv), f"{url}/health", env=engine_env))
 
     router_host = LOCAL if args.host in ("0.0.0.0", "::", "") else args.host
     router = ["router", "--host", args.host, "--port", str(args.port), "--model", model.name,

@@ -82,6 +82,7 @@ class EngineCoreProc:
         if config.coordinator_address:
             self.core.scheduler.kv_cache_manager.pool.enable_events()
             self.reporter = LoadReporter(config, self.ctx)
+            self.reporter.start_heartbeat()
 
         input_ready = threading.Event()
         self.output_address = init["output_address"]

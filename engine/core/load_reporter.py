@@ -11,12 +11,19 @@ dropped report's block events are not lost for good: the next report that gets t
 the whole prefix-cache index instead of a delta (`cleared` plus every cached hash). The same
 full resync follows every reconnection, so a coordinator that restarts with an empty view
 learns each engine's cached blocks again.
+
+One step can outlast the coordinator's staleness limit (a long prefill on few cores), and the busy
+loop reports only between steps. `start_heartbeat` adds a thread that, when nothing has gone out
+for `idle_interval`, repeats the last report with a new `seq` and `time` and no block events, so a
+busy engine is never mistaken for a dead one. Both paths send under one lock (zmq sockets are not
+thread-safe).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -102,6 +109,12 @@ class LoadReporter:
         self._resync = True  # the first report carries the whole index
         self._connections = 0
         self._failing = False
+        self._lock = threading.Lock()
+        self._last_report: LoadReport | None = None
+        self._last_sent_at = -math.inf  # monotonic, real clock: the heartbeat thread's reference
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.heartbeats = 0
         log.info("reporting load to %s as engine %s (%s)", self.endpoint, self.engine_id, self.role)
 
     def maybe_report(self, scheduler: "Scheduler", now: float | None = None) -> bool:
@@ -123,6 +136,10 @@ class LoadReporter:
         return self._send(scheduler, running, waiting)
 
     def _send(self, scheduler: "Scheduler", running: int, waiting: int) -> bool:
+        with self._lock:
+            return self._send_locked(scheduler, running, waiting)
+
+    def _send_locked(self, scheduler: "Scheduler", running: int, waiting: int) -> bool:
         self._poll_connections()
         pool = scheduler.kv_cache_manager.pool
         drained = pool.events.drain() if pool.events is not None else None
@@ -139,6 +156,9 @@ class LoadReporter:
             time=time.time(), waiting=waiting, running=running, kv_usage=pool.usage, step=scheduler.step_counter,
             wave=self.wave,
             block_size=self.block_size, stored=stored, removed=removed, cleared=cleared)
+        return self._push(report)
+
+    def _push(self, report: LoadReport) -> bool:
         try:
             self._sock.send(self._encoder.encode(report), zmq.NOBLOCK)
         except zmq.Again:
@@ -153,7 +173,33 @@ class LoadReporter:
         self._failing = False
         self._resync = False
         self.sent += 1
+        self._last_report = report
+        self._last_sent_at = time.monotonic()
         return True
+
+    # -- the heartbeat thread --------------------------------------------------------------------
+
+    def start_heartbeat(self, check_interval: float | None = None) -> None:
+        """Keep reporting while the busy loop is inside a long step (see the module docstring)."""
+        if self._heartbeat is None:
+            interval = check_interval if check_interval is not None else self.idle_interval / 4
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,),
+                                               name="load-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _heartbeat_loop(self, check_interval: float) -> None:
+        while not self._stop.wait(check_interval):
+            with self._lock:
+                last = self._last_report
+                if last is None or self._stop.is_set() or time.monotonic() - self._last_sent_at < self.idle_interval:
+                    continue
+                self._poll_connections()
+                if self._resync:
+                    continue  # the busy loop owes a full index; a repeat without it would not do
+                self.seq += 1
+                if self._push(msgspec.structs.replace(last, seq=self.seq, time=time.time(), stored=[], removed=[],
+                                                      cleared=False)):
+                    self.heartbeats += 1
 
     def _poll_connections(self) -> None:
         while True:
@@ -169,6 +215,9 @@ class LoadReporter:
                     self._resync = True
 
     def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
         try:
             self._sock.disable_monitor()
         except zmq.ZMQError:

@@ -94,12 +94,17 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_threads(tp: int) -> int | None:
-    """Torch threads per worker: an equal share of this process's cores, unless OMP_NUM_THREADS says."""
+def usable_cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def worker_threads(tp: int, cores: int | None = None) -> int | None:
+    """Torch threads per worker: an equal share of `cores` (default: this process's), unless
+    OMP_NUM_THREADS says."""
+    cores = cores or usable_cores()
     if "OMP_NUM_THREADS" in os.environ:
         try:
             asked = int(os.environ["OMP_NUM_THREADS"])
@@ -353,7 +358,7 @@ class MultiprocExecutor(Executor):
         state = self._state
         ctx = multiprocessing.get_context("spawn")
         state.broadcast = ShmMessageQueue.create(self.tp)
-        threads = worker_threads(self.tp)
+        threads = worker_threads(self.tp, self.config.parallel.cpu_cores)
         start = time.perf_counter()
         for rank in range(self.tp):
             status_r, status_w = ctx.Pipe(duplex=False)

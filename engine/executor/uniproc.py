@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.executor.abstract import Executor
 from pdserve.engine.worker.worker import Worker
@@ -12,6 +14,12 @@ from pdserve.engine.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        if config.parallel.cpu_cores is not None:
+            from pdserve.engine.executor.multiproc import worker_threads
+
+            threads = worker_threads(1, config.parallel.cpu_cores)
+            if threads is not None:
+                torch.set_num_threads(threads)
         self.worker = Worker(config, rank=0)
         self.worker.init_device()
         self.worker.load_model()

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.dp_wave import WaveCoordinator
+from pdserve.engine.executor.multiproc import usable_cores
 from pdserve.engine.frontend.dp_balance import DPBalancer
 from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError, MPClientBase
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
@@ -59,6 +60,13 @@ def _free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_cpu_share(size: int, cores: int) -> int:
+    """Cores per rank. Every rank left at one thread per core of the pod oversubscribes the cores
+    as soon as two ranks are busy (measured: 900 tokens in 1 s on one busy rank, 15 s each with
+    both busy, DP=2 on 2 cores)."""
+    return max(1, cores // size)
+
+
 def rank_configs(config: EngineConfig) -> list[EngineConfig]:
     """One config per rank: its rank, its own engine id (the coordinator lists each rank)."""
     size = config.parallel.data_parallel_size
@@ -66,10 +74,12 @@ def rank_configs(config: EngineConfig) -> list[EngineConfig]:
     if config.parallel.data_parallel_lockstep:
         init_method = config.parallel.data_parallel_init_method or f"tcp://127.0.0.1:{_free_tcp_port()}"
     configs = []
+    share = rank_cpu_share(size, config.parallel.cpu_cores or usable_cores())
     for rank in range(size):
         c = copy.copy(config)
         c.parallel = copy.copy(config.parallel)
         c.parallel.data_parallel_rank = rank
+        c.parallel.cpu_cores = share
         c.parallel.data_parallel_init_method = init_method
         c.engine_id = rank_engine_id(config.engine_id, rank)
         configs.append(c)

@@ -18,12 +18,16 @@ import httpx
 import openai
 import pytest
 
+from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.core.dp_wave import SYNC_INTERVAL, RankWave, WaveCoordinator
 from pdserve.engine.frontend.dp_balance import DPBalancer
+from pdserve.engine.frontend.dp_client import rank_configs, rank_cpu_share
 from support.server import free_port, run_server
 
 NUM_REQUESTS = 32
-SERVER_ARGS = ("--served-model-name", "tiny", "--num-kv-blocks", "256", "--max-model-len", "1024")
+SERVER_ARGS = ("--served-model-name", "tiny", "--num-kv-blocks", "2100", "--max-model-len", "16384")
+# Long enough to still run when the test acts, whatever the machine's speed (stopped by the test).
+LONG_TOKENS = 16000
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -48,6 +52,29 @@ def test_balancer_prefers_the_rank_with_less_waiting_times_four_plus_running():
     assert balancer.pick() == 1
     balancer.finished(0, 4)
     assert balancer.ranks[0].in_flight == 0
+
+
+def test_ranks_share_the_cores_and_a_rank_runs_on_its_share(model_dir, monkeypatch):
+    """Ranks left at one thread per pod core oversubscribe it once two are busy (15x slower, measured)."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # which would override the share
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.executor.uniproc import UniProcExecutor
+
+    assert [rank_cpu_share(size, cores) for size, cores in ((2, 2), (2, 16), (4, 2), (3, 8))] == [1, 8, 1, 2]
+    config = EngineConfig(model=ModelConfig.from_pretrained(model_dir("llama"), device="cpu"),
+                          parallel=ParallelConfig(data_parallel_size=2, cpu_cores=6))
+    assert [c.parallel.cpu_cores for c in rank_configs(config)] == [3, 3]
+
+    before = torch.get_num_threads()
+    try:
+        executor = UniProcExecutor(rank_configs(EngineConfig(model=config.model, parallel=ParallelConfig(
+            data_parallel_size=2, cpu_cores=2)))[1])
+        assert torch.get_num_threads() == 1
+        executor.shutdown()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rank_wave_ignores_stale_starts_and_syncs_every_interval():
@@ -80,14 +107,14 @@ def tmp_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp1(model_dir, tmp_dir):
-    with run_server(model_dir("llama"), *SERVER_ARGS, tmp_path=tmp_dir) as server:
+    with run_server(model_dir("llama_long"), *SERVER_ARGS, tmp_path=tmp_dir) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def dp2(model_dir, tmp_dir):
     http_port = free_port()
-    with run_server(model_dir("llama"), *SERVER_ARGS, "--data-parallel-size", "2",
+    with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2",
                     "--dp-coordinator-http-port", str(http_port), tmp_path=tmp_dir) as server:
         server.coordinator_url = f"http://127.0.0.1:{http_port}"
         yield server
@@ -95,14 +122,14 @@ def dp2(model_dir, tmp_dir):
 
 @pytest.fixture(scope="module")
 def dp2_tp2(model_dir, tmp_dir):
-    with run_server(model_dir("llama"), *SERVER_ARGS, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+    with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
                     tmp_path=tmp_dir) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def lockstep(model_dir, tmp_dir):
-    with run_server(model_dir("llama"), *SERVER_ARGS, "--data-parallel-size", "2", "--data-parallel-lockstep",
+    with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2", "--data-parallel-lockstep",
                     tmp_path=tmp_dir) as server:
         yield server
 
@@ -192,7 +219,7 @@ def _stream(server, body: dict, result: dict, started: threading.Event) -> None:
 
 
 def stream_in_background(server, **overrides) -> tuple[threading.Thread, dict]:
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True, **overrides}
     result: dict = {"error": None}
     started = threading.Event()
@@ -278,7 +305,7 @@ def test_lockstep_outputs_equal_dp1(lockstep, reference):
 def test_kill_9_of_one_rank_fails_in_flight_requests_within_5s_and_health_turns_503(model_dir, tmp_path):
     import psutil
 
-    with run_server(model_dir("llama"), *SERVER_ARGS, "--data-parallel-size", "2", tmp_path=tmp_path) as server:
+    with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2", tmp_path=tmp_path) as server:
         streams = [stream_in_background(server, prompt=f"stream {i}") for i in range(4)]
         ranks = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(ranks) == 2, [c.cmdline() for c in ranks]

@@ -286,3 +286,43 @@ def test_a_restarted_coordinator_learns_the_whole_index_again(ctx, engine_config
     finally:
         pull.close()
         reporter.close()
+
+
+def test_an_engine_inside_a_long_step_keeps_reporting_from_its_heartbeat_thread(ctx, engine_config):
+    """The busy loop reports only between steps; a step longer than the coordinator's staleness limit
+    must not make a busy engine look dead. The heartbeat repeats the last counts, without block events."""
+    port = free_port()
+    pull = bind_pull(ctx, port)
+    config = engine_config(port)
+    scheduler = scheduler_for(config)
+    reporter = LoadReporter(config, ctx, idle_interval=0.3)
+    reporter.start_heartbeat(check_interval=0.02)
+    try:
+        add_request(scheduler, "r", [5] * (2 * BS))
+        scheduler.schedule()
+        assert reporter.maybe_report(scheduler)
+        last = receive(pull)
+        assert last.running == 1 and last.stored
+
+        time.sleep(1.0)  # "inside a step": the busy loop calls nothing
+        repeats = []
+        while pull.poll(100):
+            repeats.append(DECODE.decode(pull.recv()))
+        assert 2 <= len(repeats) <= 4, [r.seq for r in repeats]
+        assert [r.seq for r in repeats] == list(range(last.seq + 1, last.seq + 1 + len(repeats)))
+        assert all(r.time > last.time for r in repeats)
+        for r in repeats:
+            assert (r.waiting, r.running, r.step, r.kv_usage) == (last.waiting, last.running, last.step, last.kv_usage)
+            assert r.stored == [] and r.removed == [] and not r.cleared
+
+        # The busy loop's next report continues the same sequence.
+        scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+        assert reporter.maybe_report(scheduler)
+        assert receive(pull).seq == repeats[-1].seq + 1
+    finally:
+        reporter.close()
+    while pull.poll(200):  # what was in flight at close
+        pull.recv()
+    time.sleep(0.7)  # two heartbeat intervals
+    assert nothing_more(pull), "a closed reporter's heartbeat kept sending"
+    pull.close()

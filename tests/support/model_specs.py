@@ -19,3 +19,7 @@ MODEL_SPECS: dict[str, dict] = {
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 256}),
 }
+
+# The llama checkpoint with room for requests long enough to still run, on any machine, when a
+# test acts on them (kills a rank, disconnects): 900 tokens take under a second on a fast core.
+MODEL_SPECS["llama_long"] = dict(MODEL_SPECS["llama"], max_position_embeddings=16384)

@@ -399,3 +399,20 @@ def test_status_on_a_tty_is_redrawn_in_place():
     view.tick(2.5)
     assert out.getvalue()[len(first):].startswith("\x1b[4F\x1b[J")  # up over the 4 lines drawn, clear, redraw
     view.close()
+
+
+def test_engines_share_the_cores_unless_the_user_set_omp_num_threads(monkeypatch):
+    from pdserve.up import engine_thread_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    assert engine_thread_env(2, 1, cores=2, environ={}) == (("OMP_NUM_THREADS", "1"),)
+    assert engine_thread_env(2, 2, cores=16, environ={}) == (("OMP_NUM_THREADS", "4"),)
+    assert engine_thread_env(5, 1, cores=2, environ={}) == (("OMP_NUM_THREADS", "1"),)
+    assert engine_thread_env(2, 1, cores=16, environ={"OMP_NUM_THREADS": "3"}) == ()
+    plan = plan_for("--prefill", "1", "--decode", "2")
+    engines = [c for c in plan.components if "-" in c.name]
+    others = [c for c in plan.components if "-" not in c.name]
+    share = max(1, len(os.sched_getaffinity(0)) // 3)
+    assert all(c.env == (("OMP_NUM_THREADS", str(share)),) for c in engines)
+    assert all(c.env == () for c in others)  # the router and coordinator keep their defaults
