@@ -1,19 +1,16 @@
 """`pdserve kvstore`: run the KV store service until SIGTERM or SIGINT.
 
 The operator renders `pdserve kvstore --host 0.0.0.0 --port 5700 --capacity <bytes>`; people may
-write `--capacity 4Gi` or `--capacity-gib 4`. This module imports neither torch nor the engine,
-so the store starts in a fraction of a second and stays small.
+write `--capacity 4Gi` or `--capacity-gib 4`. This module never imports torch (only the
+engine's torch-free logging setup), so the store starts in a fraction of a second and stays small.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
-import sys
-import time
 from decimal import Decimal, InvalidOperation
 
 from pdserve.kvstore.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEYS, Limits
@@ -97,31 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"most keys in one request (default: {DEFAULT_MAX_KEYS})")
 
 
-def _configure_logging() -> None:
-    # The engine's logging module would pull torch in with its package; this is the same line
-    # format and the same PDSERVE_LOG_LEVEL knob.
-    root = logging.getLogger("pdserve")
-    if root.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_LineFormatter())
-    root.addHandler(handler)
-    root.setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO").upper())
-
-
-class _LineFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        line = f"{stamp} level={record.levelname} logger={record.name} pid={record.process} msg={record.getMessage()!r}"
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
 def run(args: argparse.Namespace) -> int:
     from pdserve.kvstore.service import KVStoreService, ServiceConfig, ServiceError
 
-    _configure_logging()
+    from pdserve.engine.logging_config import configure_logging  # torch-free, like this command
+
+    configure_logging()
     if args.http_port == args.port or (args.http_port is None and args.port == 65535):
         log.error("the HTTP port must differ from --port %d and be at most 65535: set --http-port", args.port)
         return 2

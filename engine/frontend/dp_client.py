@@ -31,7 +31,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.dp_wave import WaveCoordinator
 from pdserve.engine.executor.multiproc import usable_cores
 from pdserve.engine.frontend.dp_balance import DPBalancer
-from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError, MPClientBase
+from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError, MPClientBase, next_output
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 log = logging.getLogger("pdserve.engine.dp_client")
@@ -174,11 +174,7 @@ class DPAsyncMPClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_tasks()
         assert self.outputs_queue is not None
-        item = await self.outputs_queue.get()
-        if isinstance(item, Exception):
-            self.outputs_queue.put_nowait(item)  # every later caller sees it too
-            raise item
-        return item
+        return await next_output(self.outputs_queue)
 
     async def call_utility_async(self, method: str, *args: Any, timeout: float | None = 30.0) -> Any:
         self._ensure_tasks()

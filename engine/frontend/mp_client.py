@@ -47,6 +47,16 @@ def _ipc_address(kind: str) -> str:
     return f"ipc://{tempfile.gettempdir()}/pdserve-{kind}-{uuid.uuid4().hex[:12]}"
 
 
+async def next_output(queue: "asyncio.Queue[EngineCoreOutputs | Exception]") -> EngineCoreOutputs:
+    """The next outputs from a client's queue. An exception put there (the engine died) is raised,
+    and left in place so that every later caller sees it too."""
+    item = await queue.get()
+    if isinstance(item, Exception):
+        queue.put_nowait(item)
+        raise item
+    return item
+
+
 class MPClientBase:
     """Starts the engine process and owns the sockets; subclasses decide sync or asyncio I/O."""
 
@@ -280,11 +290,7 @@ class AsyncMPClient(MPClientBase):
     async def get_output_async(self) -> EngineCoreOutputs:
         self._ensure_reader()
         assert self.outputs_queue is not None
-        item = await self.outputs_queue.get()
-        if isinstance(item, Exception):
-            self.outputs_queue.put_nowait(item)  # every later caller sees it too
-            raise item
-        return item
+        return await next_output(self.outputs_queue)
 
     async def _send(self, kind: EngineCoreRequestType, payload: Any = None) -> None:
         self._ensure_reader()

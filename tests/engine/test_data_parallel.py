@@ -7,7 +7,6 @@ The servers are module-scoped: every test here reads what it needs from the same
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -23,6 +22,7 @@ from pdserve.engine.core.dp_wave import SYNC_INTERVAL, RankWave, WaveCoordinator
 from pdserve.engine.frontend.dp_balance import DPBalancer
 from pdserve.engine.frontend.dp_client import rank_configs, rank_cpu_share
 from support.server import free_port, run_server
+from support.streams import stream_in_background
 
 NUM_REQUESTS = 32
 SERVER_ARGS = ("--served-model-name", "tiny", "--num-kv-blocks", "2100", "--max-model-len", "16384")
@@ -190,47 +190,13 @@ def test_the_in_pod_coordinator_lists_each_rank(dp2):
     assert not any(e["stale"] for e in engines)
 
 
-def _stream(server, body: dict, result: dict, started: threading.Event) -> None:
-    try:
-        with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120) as resp:
-            if resp.status_code != 200:
-                result["error"] = f"HTTP {resp.status_code}"
-                return
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    result["error"] = payload["error"]["message"]
-                    return
-                result["chunks"] = result.get("chunks", 0) + 1
-                result["finish"] = payload["choices"][0]["finish_reason"] or result.get("finish")
-                started.set()
-                if result.get("stop"):
-                    return
-    except httpx.HTTPError as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    except Exception:  # a malformed event: recorded for the assertion's message, never taken as an error event
-        import traceback
-        result["crash"] = traceback.format_exc()
-    finally:
-        result["ended"] = time.monotonic()
-        started.set()
-
-
-def stream_in_background(server, **overrides) -> tuple[threading.Thread, dict]:
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, **overrides}
-    result: dict = {"error": None}
-    started = threading.Event()
-    thread = threading.Thread(target=_stream, args=(server, body, result, started), daemon=True)
-    thread.start()
-    assert started.wait(60), "the stream never started"
-    return thread, result
+def long_stream(server, **overrides) -> tuple[threading.Thread, dict]:
+    return stream_in_background(server, {"model": "tiny", "prompt": "Once upon a time", "max_tokens": LONG_TOKENS,
+                                         "temperature": 0, "ignore_eos": True, "stream": True, **overrides})
 
 
 def test_a_rank_busy_with_a_long_request_gets_fewer_new_ones(dp2):
-    thread, long_request = stream_in_background(dp2)
+    thread, long_request = long_stream(dp2)
     try:
         running = {}
         deadline = time.monotonic() + 10
@@ -306,7 +272,7 @@ def test_kill_9_of_one_rank_fails_in_flight_requests_within_5s_and_health_turns_
     import psutil
 
     with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2", tmp_path=tmp_path) as server:
-        streams = [stream_in_background(server, prompt=f"stream {i}") for i in range(4)]
+        streams = [long_stream(server, prompt=f"stream {i}") for i in range(4)]
         ranks = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(ranks) == 2, [c.cmdline() for c in ranks]
         killed_at = time.monotonic()

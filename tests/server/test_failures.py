@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -14,45 +13,10 @@ import pytest
 
 from support.checkpoints import truncated_checkpoint
 from support.server import free_port, run_server
+from support.streams import stream_in_background
 
 STREAM = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
           "stream": True}
-
-
-def stream_in_background(server, body: dict) -> tuple[threading.Thread, dict]:
-    """Start a streaming request; the result dict records chunks, errors and when it ended."""
-    result: dict = {"chunks": 0, "error": None, "text": "", "ended": None, "finish": None}
-    started = threading.Event()
-
-    def run() -> None:
-        try:
-            with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120) as resp:
-                if resp.status_code != 200:
-                    result["error"] = f"HTTP {resp.status_code}: {resp.read().decode()}"
-                    return
-                for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    import json
-
-                    payload = json.loads(line[6:])
-                    if "error" in payload:
-                        result["error"] = payload["error"]["message"]
-                        break
-                    result["chunks"] += 1
-                    result["text"] += payload["choices"][0]["text"]
-                    result["finish"] = payload["choices"][0]["finish_reason"] or result["finish"]
-                    started.set()
-        except httpx.HTTPError as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            result["ended"] = time.monotonic()
-            started.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(60), "the stream never started"
-    return thread, result
 
 
 def wait_for(predicate, timeout: float) -> bool:

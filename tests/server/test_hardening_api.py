@@ -213,8 +213,9 @@ def test_requests_at_the_caps_are_served(server):
 
 
 @pytest.fixture(scope="module")
-def tight_server(model, tmp_path_factory):
-    with run_server(model, "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-waiting-requests", "1",
+def tight_server(model_dir, tmp_path_factory):
+    # llama_long: the running request must outlast the test's steps on a fast machine too.
+    with run_server(model_dir("llama_long"), "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-waiting-requests", "1",
                     tmp_path=tmp_path_factory.mktemp("tight")) as s:
         yield s
 
@@ -230,7 +231,7 @@ def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
 
 def test_a_full_waiting_queue_answers_503_with_retry_after(tight_server):
     url = f"{tight_server.base_url}/completions"
-    long = completion(max_tokens=1000, ignore_eos=True, stream=True)
+    long = completion(max_tokens=15000, ignore_eos=True, stream=True)  # closed (aborted) by the test
     with httpx.Client(timeout=120) as client, client.stream("POST", url, json=long) as running:
         assert running.status_code == 200
         lines = running.iter_lines()
