@@ -56,10 +56,15 @@ def start_stack(model: str, prefill: int, decode: int, run_dir: Path) -> tuple[s
 def mixed_load(url: str, model: str, quick: bool, seed: int) -> dict:
     """Prompts are drawn from `seed`: the warm-up uses other ones, or prefix caching would
     answer the measured long prompts from the warm-up's blocks."""
+    # Greedy, as the other serving benchmarks; logprobs=0 puts each token in its chunk, so TTFT and
+    # ITL count tokens whose text is empty (the random model often picks byte pieces: without it,
+    # most long prompts' 8 tokens carried no text and their TTFT went unrecorded).
+    extra = {"temperature": 0.0, "logprobs": 0}
     decoders = LoadConfig(url=url, model=model, num_requests=8 if quick else 16, concurrency=4,
-                          input_len=(32, 64), output_len=(96, 128) if quick else (192, 256), seed=seed)
+                          input_len=(32, 64), output_len=(96, 128) if quick else (192, 256), seed=seed,
+                          extra_body=extra)
     prompts = LoadConfig(url=url, model=model, num_requests=4 if quick else 8, request_rate=0.25,
-                         input_len=(1024, 1536), output_len=(8, 8), seed=seed + 1)
+                         input_len=(1024, 1536), output_len=(8, 8), seed=seed + 1, extra_body=extra)
     results: dict[str, dict] = {}
 
     def run(name: str, config: LoadConfig) -> None:
