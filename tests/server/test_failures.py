@@ -67,14 +67,17 @@ def test_kill_9_of_a_tensor_parallel_worker_fails_requests_within_5s(model_dir, 
         assert wait_for(lambda: health(server) == 503, 5.0)
 
 
-def test_sigterm_lets_in_flight_requests_finish_then_exits(model_dir, tmp_path):
-    with run_server(model_dir("llama"), "--served-model-name", "tiny", tmp_path=tmp_path) as server:
-        body = dict(STREAM, max_tokens=150)
-        thread, result = stream_in_background(server, body)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_sigterm_lets_in_flight_requests_finish_then_exits(model_dir, tmp_path, dp):
+    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--data-parallel-size", str(dp),
+                    tmp_path=tmp_path) as server:
+        # With DP=2 the balancer puts one stream on each rank: both ranks drain.
+        streams = [stream_in_background(server, dict(STREAM, max_tokens=150, prompt=f"drain {i}")) for i in range(dp)]
         server.proc.send_signal(signal.SIGTERM)
-        thread.join(60)
-        assert result["error"] is None
-        assert result["finish"] == "length" and result["chunks"] >= 100
+        for thread, result in streams:
+            thread.join(60)
+            assert result["error"] is None, result
+            assert result["finish"] == "length" and result["chunks"] >= 100, result
         server.proc.wait(timeout=60)
         assert server.proc.returncode == 0
         assert wait_for(lambda: not _alive_children(server), 10.0)
