@@ -474,7 +474,10 @@ def test_idle_engines_share_bursts_evenly(pool, tmp):
             return counts if sum(counts) == 200 else None
 
         counts = wait_until(all_counted, "200 successes")
-        assert max(counts) <= 1.2 * min(counts), counts
+        # Within a burst an engine that answers its first 2-token request before the burst's last
+        # pick is idle again and may get a third: a clean-clone run gave 62/63/75, over the 1.2x
+        # line this test first drew. 1.5x still fails any real skew (one engine favoured: 200/0/0).
+        assert max(counts) <= 1.5 * min(counts), counts
 
 
 def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
@@ -616,8 +619,16 @@ def test_prefix_aware_sends_a_shared_prefix_where_its_blocks_are(pool, tmp, mode
 
 # --- faults with engines of their own ----------------------------------------------------------------
 
-def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(model, tmp):
-    with engines(model, tmp, 2) as (victim, survivor), router(tmp, "--decode", victim.url, survivor.url) as r:
+# Streams long enough to be running when the victim dies on a fast machine (300 tokens were not:
+# a clean-clone run once saw fewer than two on the victim), short enough for the survivor to finish.
+KILL_STREAM_TOKENS = 2000
+LONG_ENGINE_ARGS = ("--max-model-len", "4096", "--num-kv-blocks", "600")
+
+
+def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(model_dir, tmp):
+    model = model_dir("llama_long")
+    with engines(model, tmp, 2, *LONG_ENGINE_ARGS) as (victim, survivor), \
+            router(tmp, "--decode", victim.url, survivor.url) as r:
         # Four long streams: the router spreads them, two per engine.
         results: dict[int, object] = {}
         first_chunk = [threading.Event() for _ in range(4)]
@@ -625,7 +636,7 @@ def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(
 
         def stream(i: int) -> None:
             try:
-                chunks = client(r).completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=300,
+                chunks = client(r).completions.create(model=MODEL, prompt=f"stream {i}", max_tokens=KILL_STREAM_TOKENS,
                                                       stream=True, stream_options={"include_usage": True},
                                                       extra_body={"ignore_eos": True})
                 for chunk in chunks:
@@ -653,7 +664,7 @@ def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(
         assert len(errors) == on_victim, results
         assert all(ended_at[i] - killed_at < 5.0 for i in errors)  # an error event, not a hang
         assert all("mid-stream" in str(results[i]) for i in errors)
-        assert all(results[i] == 300 for i in results if i not in errors)  # the others finish in full
+        assert all(results[i] == KILL_STREAM_TOKENS for i in results if i not in errors)  # the others finish in full
 
         # New requests go to the survivor only, and all succeed.
         before = successes(survivor)
@@ -663,7 +674,7 @@ def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(
         assert metric_total(r.url, "pdserve_router_endpoint_healthy", endpoint=victim.url) == 0
 
         # The engine comes back on the same port: re-admitted, and it gets traffic again.
-        with engines(model, tmp, 1, ports=[victim.port]) as (restarted,):
+        with engines(model, tmp, 1, *LONG_ENGINE_ARGS, ports=[victim.port]) as (restarted,):
             wait_until(lambda: metric_total(r.url, "pdserve_router_endpoint_healthy", endpoint=victim.url) == 1,
                        "re-admission")
             for i in range(6):
