@@ -459,25 +459,24 @@ def spread(engines: list[ServerProcess], before: list[float]) -> list[float]:
 
 
 def test_idle_engines_share_bursts_evenly(pool, tmp):
-    """200 requests in bursts of 6 that arrive while every engine is idle: each burst spreads 2-2-2
+    """200 requests in bursts of 5 that arrive while every engine is idle: each burst spreads 2-2-1
     whatever each engine's speed (on 2 shared cores the engines are not equally fast, so a steady
-    stream would rightly favour the quicker one)."""
+    stream would rightly favour the quicker one). Five, not six: the tie rotation then starts each
+    burst on another engine, so the engine that may finish a request before its burst's last pick
+    (and take one more) is not the same one every burst (with bursts of 6 it was: 62/63/75 once)."""
     three = pool[:3]
     with router(tmp, "--decode", *(e.url for e in three)) as r:
         before = [successes(e) for e in three]
-        for wave in range(0, 200, 6):
-            with ThreadPoolExecutor(6) as executor:
-                list(executor.map(lambda i: complete(r, f"request {i} says", 2), range(wave, min(wave + 6, 200))))
+        for wave in range(0, 200, 5):
+            with ThreadPoolExecutor(5) as executor:
+                list(executor.map(lambda i: complete(r, f"request {i} says", 2), range(wave, min(wave + 5, 200))))
 
         def all_counted() -> list[float] | None:
             counts = spread(three, before)
             return counts if sum(counts) == 200 else None
 
         counts = wait_until(all_counted, "200 successes")
-        # Within a burst an engine that answers its first 2-token request before the burst's last
-        # pick is idle again and may get a third: a clean-clone run gave 62/63/75, over the 1.2x
-        # line this test first drew. 1.5x still fails any real skew (one engine favoured: 200/0/0).
-        assert max(counts) <= 1.5 * min(counts), counts
+        assert max(counts) <= 1.2 * min(counts), counts
 
 
 def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
