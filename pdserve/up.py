@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from pdserve.engine.cores import usable_cores
 from pdserve.stack import Child, ChildExited, Component, Stack, describe_death, free_ports, port_in_use
 
 LOCAL = "127.0.0.1"
@@ -94,8 +95,8 @@ def engine_thread_env(engines: int, tensor_parallel_size: int, cores: int | None
     decode makes both many times slower. A user's own OMP_NUM_THREADS wins."""
     if "OMP_NUM_THREADS" in (os.environ if environ is None else environ):
         return ()
-    if cores is None:  # not engine.executor's helper: that module imports torch, which `up` never needs
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores is None:
+        cores = usable_cores()
     return (("OMP_NUM_THREADS", str(max(1, cores // max(1, engines * tensor_parallel_size)))),)
 
 
@@ -118,7 +119,7 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
 
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     names: dict[str, str] = {}
-    engine_env = engine_thread_env(args.prefill + args.decode, args.tensor_parallel_size)
+    engine_env = engine_thread_env(n_engines, args.tensor_parallel_size)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = next(ports)

@@ -114,7 +114,6 @@ class LoadReporter:
         self._last_sent_at = -math.inf  # monotonic, real clock: the heartbeat thread's reference
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
-        self.heartbeats = 0
         log.info("reporting load to %s as engine %s (%s)", self.endpoint, self.engine_id, self.role)
 
     def maybe_report(self, scheduler: "Scheduler", now: float | None = None) -> bool:
@@ -197,9 +196,8 @@ class LoadReporter:
                 if self._resync:
                     continue  # the busy loop owes a full index; a repeat without it would not do
                 self.seq += 1
-                if self._push(msgspec.structs.replace(last, seq=self.seq, time=time.time(), stored=[], removed=[],
-                                                      cleared=False)):
-                    self.heartbeats += 1
+                self._push(msgspec.structs.replace(last, seq=self.seq, time=time.time(), stored=[], removed=[],
+                                                   cleared=False))
 
     def _poll_connections(self) -> None:
         while True:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cores import usable_cores
 from pdserve.engine.executor.abstract import Executor
 from pdserve.engine.executor.shm_queue import QueueCancelled, QueueHandle, ShmMessageQueue
 from pdserve.engine.executor.worker_proc import (
@@ -92,13 +93,6 @@ def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def worker_threads(tp: int, cores: int | None = None) -> int | None:

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.dp_wave import WaveCoordinator
-from pdserve.engine.executor.multiproc import usable_cores
+from pdserve.engine.cores import usable_cores
 from pdserve.engine.frontend.dp_balance import DPBalancer
 from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError, MPClientBase, next_output
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
