@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -69,25 +70,33 @@ class NixlEndpoint:
             [(t.data_ptr(), t.numel() * t.element_size(), device, "") for t in kv_caches], self.mem_type)
         self.local_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", block_descriptors(kv_caches), self.mem_type)
         self._peers: dict[str, tuple[str, Any, int]] = {}  # peer key -> (agent name, prepped list, blocks)
+        # One agent, several threads (two pull workers; a side-channel thread per reader on a prefill
+        # engine): without the progress thread UCX runs single-threaded, and two threads inside it
+        # at once crashed a decode engine (a segfault in libuct). Every agent call holds this lock.
+        self._lock = threading.Lock()
 
     def metadata(self) -> dict[str, Any]:
         """What a reader needs to address our blocks."""
-        return {"agent": self.agent.get_agent_metadata(), "descs": block_descriptors(self.kv_caches).tobytes(),
+        with self._lock:
+            agent_md = self.agent.get_agent_metadata()
+        return {"agent": agent_md, "descs": block_descriptors(self.kv_caches).tobytes(),
                 "num_blocks": self.num_blocks, "mem_type": self.mem_type}
 
     def add_peer(self, key: str, meta: dict[str, Any]) -> None:
-        if key in self._peers:
-            return
-        remote_name = self.agent.add_remote_agent(meta["agent"])
-        if isinstance(remote_name, bytes):
-            remote_name = remote_name.decode()
         descs = np.frombuffer(meta["descs"], dtype=np.int64).reshape(-1, 3)
-        prepped = self.agent.prep_xfer_dlist(remote_name, descs, meta["mem_type"])
-        self._peers[key] = (remote_name, prepped, int(meta["num_blocks"]))
+        with self._lock:
+            if key in self._peers:  # another pull thread added it meanwhile
+                return
+            remote_name = self.agent.add_remote_agent(meta["agent"])
+            if isinstance(remote_name, bytes):
+                remote_name = remote_name.decode()
+            prepped = self.agent.prep_xfer_dlist(remote_name, descs, meta["mem_type"])
+            self._peers[key] = (remote_name, prepped, int(meta["num_blocks"]))
 
     def progress(self) -> None:
         """Let the agent make progress on transfers others run against our memory."""
-        self.agent.get_new_notifs()
+        with self._lock:
+            self.agent.get_new_notifs()
 
     def has_peer(self, key: str) -> bool:
         return key in self._peers
@@ -97,26 +106,31 @@ class NixlEndpoint:
         _, remote_side, remote_num_blocks = self._peers[key]
         remote_idx = block_indices(remote_blocks, self.num_layers, remote_num_blocks)
         local_idx = block_indices(local_blocks, self.num_layers, self.num_blocks)
-        handle = self.agent.make_prepped_xfer("READ", self.local_side, local_idx, remote_side, remote_idx, b"")
+        with self._lock:
+            handle = self.agent.make_prepped_xfer("READ", self.local_side, local_idx, remote_side, remote_idx, b"")
         try:
-            state = self.agent.transfer(handle)
+            with self._lock:
+                state = self.agent.transfer(handle)
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise TimeoutError("the NIXL read did not finish in time")
-                time.sleep(POLL_S)
-                state = self.agent.check_xfer_state(handle)
+                time.sleep(POLL_S)  # outside the lock: the other threads' calls go in between
+                with self._lock:
+                    state = self.agent.check_xfer_state(handle)
             if state == "ERR":
                 raise ConnectionError("the NIXL read failed")
         finally:
-            self.agent.release_xfer_handle(handle)
+            with self._lock:
+                self.agent.release_xfer_handle(handle)
         block_bytes = self.kv_caches[0][0, 0].numel() * self.kv_caches[0].element_size()
         return len(remote_idx) * block_bytes
 
     def forget_peer(self, key: str) -> None:
-        entry = self._peers.pop(key, None)
-        if entry is not None:
-            try:
-                self.agent.release_dlist_handle(entry[1])
-                self.agent.remove_remote_agent(entry[0])
-            except Exception:  # the peer may be gone already
-                pass
+        with self._lock:
+            entry = self._peers.pop(key, None)
+            if entry is not None:
+                try:
+                    self.agent.release_dlist_handle(entry[1])
+                    self.agent.remove_remote_agent(entry[0])
+                except Exception:  # the peer may be gone already
+                    pass
