@@ -10,6 +10,9 @@ import pytest
 # Tests must not depend on the machine's thread count, nor fight each other for the 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every process a test starts (engines with KV connectors, routers, coordinators, KV stores) holds
+# the same internal key, as one deployment's pods do; tests of the refusals unset or change it.
+os.environ.setdefault("PDSERVE_INTERNAL_KEY", "test-internal-key-" + os.urandom(16).hex())
 
 from support.model_specs import MODEL_SPECS  # noqa: E402
 
