@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import httpx
 
 from pdserve.engine.cores import usable_cores
+from pdserve.engine.internal_auth import ENV_KEY, generate_key
 from pdserve.stack import Child, ChildExited, Component, Stack, describe_death, free_ports, port_in_use
 
 LOCAL = "127.0.0.1"
@@ -348,7 +349,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
     with Signals() as signals:
         plan = build_plan(args, model)
-        stack = Stack(run_dir)
+        # One internal key per run, for this run's processes only: engines hand kv_transfer_params
+        # only to a router holding it, and side channels, store and coordinator admit only its holders.
+        stack = Stack(run_dir, env={ENV_KEY: generate_key()})
         try:
             return _serve(stack, plan, model, run_dir, args, signals)
         finally:

@@ -18,8 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
-from pdserve.engine.server.errors import APIError, error_response
+from pdserve.engine.server.errors import APIError, error_response, new_error_id
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.balancer import Policy
 from pdserve.router.endpoints import Endpoint, Health, HealthChecker, Pool, Pools, error_text
@@ -46,6 +47,8 @@ class RouterSettings:
     coordinator_http_port: int = 8080
     flow: FlowSettings = field(default_factory=FlowSettings)
     max_connections: int = 1000
+    internal_key: bytes | None = None  # sent to engines: kv_transfer_params are accepted only with it
+    metrics_require_key: bool = False
 
 
 class Router:
@@ -140,10 +143,13 @@ class Router:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     def forwarded_headers(self, request: Request, prefix: str) -> dict[str, str]:
+        # Built from scratch, never copied: a client's own X-PDServe-Internal-Key never reaches an engine.
         headers = {"x-request-id": request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"}
         auth = request.headers.get("authorization")
         if auth:
             headers["authorization"] = auth
+        if self.settings.internal_key is not None:
+            headers[INTERNAL_HEADER] = self.settings.internal_key.decode()
         return headers
 
     async def completion_request(self, request: Request) -> RoutedRequest:
@@ -203,7 +209,8 @@ class Router:
         engine = engines[next(self._tokenize_turn) % len(engines)]
         try:
             response = await self.client.post(f"{engine.url}/tokenize", json={"model": self.settings.model, **prompt},
-                                              headers={k: v for k, v in routed.headers.items() if k == "authorization"},
+                                              headers={k: v for k, v in routed.headers.items()
+                                                       if k in ("authorization", INTERNAL_HEADER)},
                                               timeout=httpx.Timeout(5.0, connect=self.settings.flow.connect_timeout))
             if response.status_code == 200:
                 tokens = response.json().get("tokens")
@@ -262,9 +269,11 @@ def build_app(router: Router) -> Any:
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
+        # Exception text can carry addresses and internals: it goes to the log, the client gets an id.
+        error_id = new_error_id()
+        log.error("unhandled error (error id %s)", error_id, exc_info=exc)
         router.metrics.errors.labels("internal").inc()
-        return error_response(500, f"Internal error: {type(exc).__name__}: {exc}")
+        return error_response(500, f"Internal server error (error id {error_id}).")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -290,4 +299,5 @@ def build_app(router: Router) -> Any:
     async def prometheus() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return LimitsAndAuth(app, ServerSettings(api_key=settings.api_key, max_body_bytes=settings.max_body_bytes))
+    return LimitsAndAuth(app, ServerSettings(api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                                             metrics_require_key=settings.metrics_require_key))

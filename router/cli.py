@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from pdserve.engine.server.cli import add_internal_key_arguments, resolve_internal_key
 from pdserve.router.balancer import Policy
 
 
@@ -15,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the model name clients send (the engines' served name)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="with --api-key, /metrics needs the key too (default: open, like /health)")
+    add_internal_key_arguments(p)
     p.add_argument("--routing-policy", choices=[policy.value for policy in Policy], default=Policy.LEAST_LOADED.value)
     p.add_argument("--coordinator-address", help="host:port of the coordinator's load feed (zmq PUB)")
     p.add_argument("--coordinator-http-port", type=int, default=8080,
@@ -70,6 +74,16 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"pdserve router: {problem}", file=sys.stderr)
         return 2
+    internal_key, problem = resolve_internal_key(args, "router")
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    if internal_key is None:
+        import logging
+
+        logging.getLogger("pdserve.router").warning(
+            "no internal key: engines that hold one refuse this router's P/D requests (403), so prompts are "
+            "computed by the decode engines alone")
 
     import uvicorn
 
@@ -82,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, policy=Policy(args.routing_policy), api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes, health_interval=args.health_interval, tokenizer=args.tokenizer,
         coordinator_address=args.coordinator_address, coordinator_http_port=args.coordinator_http_port,
+        internal_key=internal_key, metrics_require_key=args.metrics_require_key,
         flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, connect_timeout=args.connect_timeout,
                           prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout))
     discovery = []

@@ -185,6 +185,11 @@ class PDFlow:
             raise LegFailed(f"{endpoint.url}: {error_text(exc)}") from None
         finally:
             leg.finish()
+        if response.status_code in (401, 403):
+            # The engine refuses the router, not the request (a missing or rotated internal key):
+            # the client is still served, by a decode engine alone.
+            raise LegFailed(f"{endpoint.url} refused the router ({response.status_code}): is the internal key "
+                            f"the same on both?")
         if 400 <= response.status_code < 500:
             self.metrics.errors.labels("upstream_4xx").inc()
             return passthrough(response.status_code, response.content, response.headers)

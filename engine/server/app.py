@@ -14,11 +14,13 @@ from pydantic import BaseModel
 from pdserve.engine.frontend.async_llm import AsyncLLM
 from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
-from pdserve.engine.server.errors import APIError, error_body, error_response
+from pdserve.engine.server.errors import APIError, error_body, error_response, new_error_id
+from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
+from pdserve.engine.server.kv_params import validate_kv_transfer_params
 from pdserve.engine.server.metrics import EngineMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pdserve.engine.server.serving import Serving, new_error_id, new_request_id
+from pdserve.engine.server.serving import Serving, new_request_id
 
 log = logging.getLogger("pdserve.server")
 
@@ -71,10 +73,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         if engine.errored:
             raise EngineDeadError(str(engine.dead_error or engine.client.dead_reason))
 
+    max_blocks = -(-engine.config.model.max_model_len // engine.config.cache.block_size)
+
+    def check_kv_transfer(request: Request, body: Any) -> None:
+        """Only the deployment's own router may hand an engine kv_transfer_params (they name other
+        engines' memory): without the internal key they are refused, never acted on."""
+        if body.kv_transfer_params is None:
+            return
+        if not header_matches(request.headers.get(INTERNAL_HEADER), settings.internal_key):
+            raise APIError(403, "kv_transfer_params are accepted only from the deployment's router (the "
+                                f"{INTERNAL_HEADER} header is missing or wrong).",
+                           param="kv_transfer_params", code="forbidden")
+        body.kv_transfer_params = validate_kv_transfer_params(body.kv_transfer_params, max_blocks)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_alive()
         body = await parse_body(request, CompletionRequest)
+        check_kv_transfer(request, body)
         request_id = new_request_id("cmpl")  # never the client's X-Request-ID (see _echo_request_id)
         return await respond(await serving.completions(body, request_id, disconnect_watcher(request)))
 
@@ -82,6 +98,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     async def chat(request: Request) -> Response:
         check_alive()
         body = await parse_body(request, ChatCompletionRequest)
+        check_kv_transfer(request, body)
         request_id = new_request_id("chatcmpl")
         return await respond(await serving.chat(body, request_id, disconnect_watcher(request)))
 

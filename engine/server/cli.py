@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSERVE_API_KEY)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="with --api-key, /metrics needs the key too (default: open, like /health)")
+    add_internal_key_arguments(p)
+    p.add_argument("--insecure-kv-transfer", action="store_true",
+                   help="run a KV connector without the internal key: anyone who reaches this engine can send "
+                        "kv_transfer_params and its side channel authenticates nobody (local experiments only)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine cores behind this server, each with its own scheduler, KV cache and TP workers")
@@ -62,6 +68,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator-publish-address",
                    help="host:port of that coordinator's feed; the data-parallel ranks are balanced by it")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+def add_internal_key_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--internal-key-file", metavar="PATH",
+                   help="file holding the deployment's internal key (default: $PDSERVE_INTERNAL_KEY, or the file "
+                        "named by $PDSERVE_INTERNAL_KEY_FILE)")
+
+
+def resolve_internal_key(args: argparse.Namespace, command: str) -> tuple[bytes | None, str | None]:
+    """(key, problem): the key from --internal-key-file or the environment, exported so that
+    child processes (engine cores, TP workers) hold the same one."""
+    from pdserve.engine.internal_auth import InternalKeyError, load_internal_key, use_key_file
+
+    try:
+        if getattr(args, "internal_key_file", None):
+            return use_key_file(args.internal_key_file), None
+        return load_internal_key(), None
+    except InternalKeyError as exc:
+        return None, f"pdserve {command}: {exc}"
 
 
 def host_port(text: str) -> str:
@@ -109,6 +134,18 @@ def run(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) ->
     if args.data_parallel_size < 1:
         print(f"pdserve serve: --data-parallel-size must be at least 1, got {args.data_parallel_size}", file=sys.stderr)
         return 2
+    args.internal_key, problem = resolve_internal_key(args, "serve")
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    if args.kv_transfer_config and args.internal_key is None:
+        if not args.insecure_kv_transfer:
+            print("pdserve serve: a KV connector needs the deployment's internal key, or anyone who reaches this "
+                  "engine could make it read or serve other requests' KV. Give --internal-key-file PATH (or set "
+                  "$PDSERVE_INTERNAL_KEY), or --insecure-kv-transfer for a local experiment.", file=sys.stderr)
+            return 2
+        log.warning("KV transfer runs WITHOUT the internal key (--insecure-kv-transfer): any client that reaches "
+                    "this engine can send kv_transfer_params, and its side channel authenticates nobody")
     coordinator = None
     if args.data_parallel_size > 1 and not args.coordinator_address:
         from pdserve.engine.server.dp_coordinator import InPodCoordinator
@@ -140,7 +177,9 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
     except (ValueError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes))
+    app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                                           internal_key=args.internal_key,
+                                           metrics_require_key=args.metrics_require_key))
     log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
              engine.config.num_kv_blocks)
     print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)

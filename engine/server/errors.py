@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -9,6 +10,7 @@ from fastapi.responses import JSONResponse
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
@@ -32,3 +34,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def new_error_id() -> str:
+    """The id a client quotes for a 500; the details stay in the server's log."""
+    return uuid.uuid4().hex[:12]

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.errors import APIError, error_response
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -23,10 +24,20 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The deployment's internal key (pdserve.engine.internal_auth): it also opens every route, so a
+    # router or picker reaches engines that have an --api-key without holding the clients' key.
+    internal_key: bytes | None = None
+    # /metrics is open by default (Prometheus scrapers rarely hold an API key); this closes it too.
+    metrics_require_key: bool = False
+
+    def is_open(self, path: str) -> bool:
+        """Whether a route answers without the API key: liveness probes and, unless asked, metrics."""
+        return path == "/health" or (path == "/metrics" and not self.metrics_require_key)
 
 
 class LimitsAndAuth:
-    """ASGI middleware: refuse bodies over the limit (413) and, on /v1, requests without the key (401).
+    """ASGI middleware: refuse bodies over the limit (413) and, with an API key, requests without it
+    on every route but /health (and /metrics unless `metrics_require_key`) (401).
 
     Plain ASGI rather than a Starlette BaseHTTPMiddleware, which would buffer streaming responses.
     """
@@ -42,11 +53,8 @@ class LimitsAndAuth:
         client_id = headers.get("x-request-id")
         if client_id is not None:
             send = _echo_request_id(send, client_id.encode("latin-1"))
-        if self.settings.api_key and scope["path"].startswith("/v1"):
-            # Constant time: how much of a guess matches must not show in how long the answer takes.
-            given = headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(given, f"Bearer {self.settings.api_key}".encode()):
-                return await error_response(401, "Invalid or missing API key.", code="invalid_api_key")(scope, receive, send)
+        if self.settings.api_key and not self.settings.is_open(scope["path"]) and not self._authorized(headers):
+            return await error_response(401, "Invalid or missing API key.", code="invalid_api_key")(scope, receive, send)
         limit = self.settings.max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -68,6 +76,13 @@ class LimitsAndAuth:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge as exc:
             await self._too_large(scope, receive, send, exc.size)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        # Constant time: how much of a guess matches must not show in how long the answer takes.
+        given = headers.get("authorization", "").encode("latin-1")
+        if hmac.compare_digest(given, f"Bearer {self.settings.api_key}".encode()):
+            return True
+        return header_matches(headers.get(INTERNAL_HEADER.lower()), self.settings.internal_key)
 
     async def _too_large(self, scope: dict, receive: Callable, send: Callable, size: int) -> None:
         message = f"Request body too large: {size} bytes; the limit is {self.settings.max_body_bytes} bytes."

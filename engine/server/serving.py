@@ -17,7 +17,8 @@ from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
 from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.server.errors import APIError
+from pdserve.engine.server.errors import APIError, new_error_id
+from pdserve.engine.server.kv_params import check_blocks_fit_prompt
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 log = logging.getLogger("pdserve.server")
@@ -105,6 +106,8 @@ class Serving:
     async def submit(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
                      body: _SamplingFields) -> Submitted:
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
+        if body.kv_transfer_params is not None:
+            check_blocks_fit_prompt(body.kv_transfer_params, len(token_ids), self.engine.config.cache.block_size)
         try:
             collector = await self.engine.add_request(request_id, prompt, params, priority=body.priority,
                                                       kv_transfer_params=body.kv_transfer_params)
@@ -363,10 +366,6 @@ class Serving:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def new_error_id() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 def stream_error(exc: Exception) -> dict[str, Any]:

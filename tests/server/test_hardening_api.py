@@ -16,14 +16,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pdserve.engine.frontend.async_llm import RequestOutputCollector
-from pdserve.engine.frontend.input_processor import InputProcessor
-from pdserve.engine.frontend.tokenizer import load_tokenizer
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.server import http as http_module  # where the API key is checked
 from pdserve.engine.server.app import ServerSettings, build_app
 
+from support.fake_engine import FakeEngine, asgi_client
 from support.server import free_port, run_server
 
 AUTH = {"Authorization": "Bearer sekret"}
@@ -72,9 +68,12 @@ def test_chat_template_kwargs_cannot_replace_the_template(server, key, value):
 
 def test_the_tokenize_route_refuses_a_client_template_too(server):
     body = {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}
-    resp = httpx.post(f"{server.url}/tokenize", json=body, timeout=60)
+    resp = httpx.post(f"{server.url}/tokenize", json=body, headers=AUTH, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs"
-    plain = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": MESSAGES}, timeout=60)
+    # Since issue 17 the API key covers /tokenize too: it renders templates for anyone otherwise.
+    assert httpx.post(f"{server.url}/tokenize", json=body, timeout=60).status_code == 401
+    plain = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "messages": MESSAGES}, headers=AUTH,
+                       timeout=60)
     assert plain.status_code == 200 and plain.json()["count"] > 0
 
 
@@ -87,57 +86,9 @@ def test_chat_template_kwargs_still_reach_the_template_as_variables(server):
     assert extra.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
 
 
-class RecordingInputProcessor(InputProcessor):
-    """The real input processor, noting which thread renders and tokenizes."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.threads: dict[str, int] = {}
-
-    def apply_chat_template(self, *args, **kwargs):
-        self.threads["chat_template"] = threading.get_ident()
-        return super().apply_chat_template(*args, **kwargs)
-
-    def tokenize(self, prompt):
-        self.threads["tokenize"] = threading.get_ident()
-        return super().tokenize(prompt)
-
-
-class FakeEngine:
-    """What the HTTP layer needs of an AsyncLLM, answering every request with one finished token.
-
-    In-process, so a test can see the event loop's thread and inject a failure; the engine core
-    itself is covered by the subprocess tests above and in test_openai_api.py."""
-
-    def __init__(self, model_path: str) -> None:
-        self.model_name = "tiny"
-        mc = ModelConfig.from_pretrained(model_path, dtype="float32", max_model_len=256)
-        self.config = SimpleNamespace(model=mc)
-        self.tokenizer = load_tokenizer(model_path)
-        self.input_processor = RecordingInputProcessor(mc, self.tokenizer)
-        self.stats_listeners: list = []
-        self.errored = False
-        self.request_ids: list[str] = []
-
-    async def add_request(self, request_id, prompt, params, **_):
-        self.request_ids.append(request_id)
-        collector = RequestOutputCollector(params.output_kind)
-        collector.put(RequestOutput(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
-                                    [CompletionOutput(0, "x", [5], finish_reason="length")], finished=True))
-        return collector
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-
 @pytest.fixture
 def fake_engine(model):
     return FakeEngine(model)
-
-
-def asgi_client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
-                             base_url="http://test")
 
 
 async def test_templates_render_and_prompts_tokenize_off_the_event_loop(fake_engine):

@@ -78,11 +78,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: floa
 
 
 @contextmanager
-def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str | None] | None = None
+               ) -> Iterator[ServerProcess]:
+    """`env` entries override the test's environment; a None value removes the variable."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--port", str(port), "--dtype", "float32", *args]
-    full_env = dict(os.environ, PYTHONSAFEPATH="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONSAFEPATH="1")
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = ServerProcess(proc, port, log_path)
