@@ -13,7 +13,7 @@ import re
 import signal
 from decimal import Decimal, InvalidOperation
 
-from pdserve.kvstore.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEYS, Limits
+from pdserve.kvstore.protocol import DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_KEYS, MAX_FRAME_BYTES_LIMIT, Limits
 
 log = logging.getLogger("pdserve.kvstore")
 
@@ -63,6 +63,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _frame_bytes(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_FRAME_BYTES_LIMIT:
+        # Every connected key holder may make the store allocate this much per frame in flight.
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_FRAME_BYTES_LIMIT} bytes, got {value}")
+    return value
+
+
 def _port(text: str, lowest: int = 1) -> int:
     try:
         value = int(text)
@@ -88,24 +96,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="the same in GiB (e.g. 4 or 0.5)")
     p.add_argument("--http-port", type=_http_port, default=None,
                    help="port for GET /health and /metrics (default: --port + 1; 0 turns HTTP off)")
-    p.add_argument("--max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES,
-                   help=f"largest value accepted in one frame (default: {DEFAULT_MAX_FRAME_BYTES})")
+    p.add_argument("--max-frame-bytes", type=_frame_bytes, default=DEFAULT_MAX_FRAME_BYTES,
+                   help=f"largest value accepted in one frame (default: {DEFAULT_MAX_FRAME_BYTES}, "
+                        f"at most {MAX_FRAME_BYTES_LIMIT})")
     p.add_argument("--max-keys", type=_positive_int, default=DEFAULT_MAX_KEYS,
                    help=f"most keys in one request (default: {DEFAULT_MAX_KEYS})")
+    p.add_argument("--internal-key-file", default=None, metavar="PATH",
+                   help="file holding the deployment's internal key (else $PDSERVE_INTERNAL_KEY or "
+                        "$PDSERVE_INTERNAL_KEY_FILE); only its holders can use the store. Without any, the "
+                        "socket is plain and a warning says so")
 
 
 def run(args: argparse.Namespace) -> int:
     from pdserve.kvstore.service import KVStoreService, ServiceConfig, ServiceError
 
-    from pdserve.engine.logging_config import configure_logging  # torch-free, like this command
+    from pdserve.engine import internal_auth  # torch-free, like this command
+    from pdserve.engine.logging_config import configure_logging
 
     configure_logging()
+    try:
+        key = (internal_auth.use_key_file(args.internal_key_file) if args.internal_key_file
+               else internal_auth.load_internal_key())
+    except internal_auth.InternalKeyError as exc:
+        log.error("%s", exc)
+        return 2
     if args.http_port == args.port or (args.http_port is None and args.port == 65535):
         log.error("the HTTP port must differ from --port %d and be at most 65535: set --http-port", args.port)
         return 2
     capacity = args.capacity or args.capacity_gib or DEFAULT_CAPACITY_BYTES
     config = ServiceConfig(host=args.host, port=args.port, capacity_bytes=capacity, http_port=args.http_port,
-                           limits=Limits(max_frame_bytes=args.max_frame_bytes, max_keys=args.max_keys))
+                           limits=Limits(max_frame_bytes=args.max_frame_bytes, max_keys=args.max_keys),
+                           internal_key=key)
     try:
         service = KVStoreService(config)
     except ServiceError as exc:

@@ -24,10 +24,13 @@ from typing import Any, Sequence
 import msgspec
 import zmq
 
+from pdserve.engine import internal_auth
 from pdserve.kvstore import protocol
 from pdserve.kvstore.protocol import ReplyHeader, RequestHeader
 
 RECONNECT_MS = 100
+# `internal_key` default: the deployment's key from the environment (PDSERVE_INTERNAL_KEY[_FILE]).
+FROM_ENV: Any = object()
 
 
 class KVStoreError(RuntimeError):
@@ -66,9 +69,13 @@ def as_buffer(value: Any) -> memoryview:
 
 
 class KVStoreClient:
-    def __init__(self, url: str, namespace: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, namespace: str, timeout_s: float = 2.0,
+                 internal_key: bytes | None = FROM_ENV) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        # A CURVE client of the store when a key is set; a store that holds another key (or none)
+        # never completes the handshake, so calls time out as if it were down.
+        self._key = internal_auth.load_internal_key() if internal_key is FROM_ENV else internal_key
         self.url = normalize_url(url)
         self.namespace = namespace
         self.timeout_s = timeout_s
@@ -127,6 +134,7 @@ class KVStoreClient:
         # call's timeout) instead of parking requests that a restarted store would answer late.
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+        internal_auth.secure_client(socket, self._key)
         socket.connect(self.url)
         return socket
 

@@ -24,11 +24,24 @@ import msgspec
 
 OPS = ("put", "get", "contains", "stats")
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
+# The most `--max-frame-bytes` may be: one value is one KV block (or one layer of it), a few MiB
+# for large models; 256 MiB is far above that and still a bounded allocation per frame.
+MAX_FRAME_BYTES_LIMIT = 256 * 2**20
 DEFAULT_MAX_KEYS = 16384
 MAX_KEY_BYTES = 1024
 MAX_NAMESPACE_BYTES = 1024
 # A header holds keys only, so it is far smaller than a value frame could be.
 MAX_HEADER_BYTES = 4 * 2**20
+# Room on top of a frame's payload for what the wire adds to it (CURVE's box and nonce, framing).
+WIRE_SLACK_BYTES = 64 * 2**10
+
+
+def wire_frame_limit(max_frame_bytes: int) -> int:
+    """The largest frame libzmq may receive (ZMQ_MAXMSGSIZE): any value or header frame the
+    service would accept, plus wire overhead. A larger frame makes libzmq drop the peer when it
+    reads the frame's length, before allocating it; checked during the CURVE handshake too, so an
+    unauthenticated peer cannot make the store allocate more than this either."""
+    return max(max_frame_bytes, MAX_HEADER_BYTES) + WIRE_SLACK_BYTES
 
 
 class ProtocolError(ValueError):

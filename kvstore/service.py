@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.engine import internal_auth
 from pdserve.kvstore import protocol
 from pdserve.kvstore.protocol import Limits, ProtocolError, ReplyHeader, RequestHeader
 from pdserve.kvstore.store import BlockStore, ValueTooLarge
@@ -29,9 +30,6 @@ from pdserve.kvstore.store import BlockStore, ValueTooLarge
 log = logging.getLogger("pdserve.kvstore")
 
 POLL_MS = 100
-# A frame this many times over the limit is not worth receiving to refuse: libzmq drops the
-# connection instead (the client's call times out and its next call reconnects).
-HARD_FRAME_FACTOR = 16
 SMALL_VALUE_BYTES = 16 * 1024
 
 
@@ -43,6 +41,8 @@ class ServiceConfig:
     # None: port + 1; 0: no HTTP server.
     http_port: int | None = None
     limits: Limits = field(default_factory=Limits)
+    # The deployment's internal key (None: plain sockets, insecure mode, warned about at start).
+    internal_key: bytes | None = None
 
     @property
     def resolved_http_port(self) -> int:
@@ -88,9 +88,14 @@ class KVStoreService:
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 200)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, config.limits.max_frame_bytes * HARD_FRAME_FACTOR)
+        # A frame over the limit is never allocated: libzmq drops the peer on reading its length
+        # (a key holder's call then times out and its next call reconnects).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, protocol.wire_frame_limit(config.limits.max_frame_bytes))
         self.zmq_address = f"tcp://{config.host}:{config.port}"
         try:
+            # Only holders of the internal key complete the handshake; nothing of anyone else's
+            # is ever delivered to this socket.
+            internal_auth.secure_server(self._socket, config.internal_key)
             self._socket.bind(self.zmq_address)
         except zmq.ZMQError as exc:
             self._close_zmq()
@@ -112,6 +117,10 @@ class KVStoreService:
         self._stop.set()
 
     def serve_forever(self) -> None:
+        if self.config.internal_key is None:
+            log.warning("kvstore: no internal key (PDSERVE_INTERNAL_KEY / --internal-key-file): the ZMQ socket "
+                        "%s is unauthenticated, anyone who can reach it can read and write KV blocks",
+                        self.zmq_address)
         log.info("kvstore serving zmq=%s http=%s capacity_bytes=%d max_frame_bytes=%d max_keys=%d",
                  self.zmq_address, self.http_address or "off", self.store.capacity_bytes,
                  self.config.limits.max_frame_bytes, self.config.limits.max_keys)
@@ -137,6 +146,7 @@ class KVStoreService:
     def _close_zmq(self) -> None:
         if not self._socket.closed:
             self._socket.close()
+        internal_auth.stop_authenticator(self._context)
         self._context.term()
 
     def handle(self, frames: list[Any]) -> list[Any]:

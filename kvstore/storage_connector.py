@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.kvstore.storage")
 
 STORE_DOWN_BACKOFF_S = 5.0  # after a failed lookup, stop asking for this long
+DEFAULT_FILE_CAPACITY_BYTES = 8 * 2**30
 
 
 class BlockBackend(Protocol):
@@ -42,11 +43,17 @@ class BlockBackend(Protocol):
 
 class FileBackend:
     """One file per block under a directory; written to a temporary name, then renamed, so a
-    reader never sees a half-written block."""
+    reader never sees a half-written block. The block files under `root` (every namespace) stay
+    within `capacity_bytes`: a write that would exceed it first deletes the oldest files (mtime)."""
 
-    def __init__(self, root: str, namespace: str) -> None:
-        self.dir = Path(root) / _safe(namespace)
+    def __init__(self, root: str, namespace: str, capacity_bytes: int = DEFAULT_FILE_CAPACITY_BYTES) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"shared-storage capacity_bytes must be positive, got {capacity_bytes}")
+        self.root = Path(root)
+        self.dir = self.root / _safe(namespace)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.evictions = 0
 
     def _path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
@@ -58,14 +65,25 @@ class FileBackend:
         return len(keys)
 
     def put(self, keys: Sequence[bytes], values: Sequence[Any]) -> None:
-        for key, value in zip(keys, values):
-            path = self._path(key)
-            if path.exists():
-                continue
+        pending = [(self._path(key), memoryview(value).cast("B")) for key, value in zip(keys, values)]
+        pending = [(path, data) for path, data in pending if not path.exists() and data.nbytes <= self.capacity_bytes]
+        if not pending:
+            return
+        self._make_room(sum(data.nbytes for _, data in pending))
+        for path, data in pending:
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                f.write(memoryview(value).cast("B"))
+                f.write(data)
             os.replace(tmp, path)
+
+    def _make_room(self, incoming: int) -> None:
+        files = block_files(self.root)
+        for path, _, size in evictable(files, incoming, self.capacity_bytes):
+            try:
+                path.unlink()
+                self.evictions += 1
+            except FileNotFoundError:
+                pass  # another engine sharing the path evicted it first
 
     def get(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         out: list[memoryview | None] = []
@@ -80,16 +98,52 @@ class FileBackend:
         pass
 
 
+def block_files(root: Path) -> list[tuple[Path, float, int]]:
+    """(path, mtime, size) of every block file under `root`, one namespace folder deep."""
+    found = []
+    for path in root.glob("*/*.kv"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        found.append((path, st.st_mtime, st.st_size))
+    return found
+
+
+def evictable(files: list[tuple[Path, float, int]], incoming: int, capacity: int) -> list[tuple[Path, float, int]]:
+    """The oldest files to delete so that `incoming` more bytes fit within `capacity`."""
+    excess = sum(size for _, _, size in files) + incoming - capacity
+    chosen = []
+    for entry in sorted(files, key=lambda f: f[1]):
+        if excess <= 0:
+            break
+        chosen.append(entry)
+        excess -= entry[2]
+    return chosen
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "model"
 
 
 def make_backend(kv: KVTransferConfig, namespace: str) -> BlockBackend:
     if kv.connector == "shared-storage":
-        return FileBackend(kv.extra["path"], namespace)
+        return FileBackend(kv.extra["path"], namespace,
+                           int(kv.extra.get("capacity_bytes") or DEFAULT_FILE_CAPACITY_BYTES))
     from pdserve.kvstore.client import KVStoreClient
 
     return KVStoreClient(kv.extra["kvstore_url"], namespace, float(kv.extra["timeout_s"]))
+
+
+def block_namespace(config: Any) -> str:
+    """The store namespace of an engine's blocks. The served name alone is not enough: a new
+    checkpoint deployed under the same name must never load KV computed by the old weights, so
+    the weights' fingerprint is part of it."""
+    from pdserve.engine.model.fingerprint import checkpoint_fingerprint
+
+    mc = config.model
+    return (f"{mc.served_model_name}|w{checkpoint_fingerprint(mc.path)}|{str(mc.dtype).removeprefix('torch.')}"
+            f"|bs{config.cache.block_size}|tp{config.parallel.tensor_parallel_size}")
 
 
 @dataclass
@@ -111,10 +165,8 @@ class StorageConnector(KVConnectorBase):
         self.kv = kv_config
         self.rank = rank
         self.block_size = config.cache.block_size
-        mc = config.model
-        # Blocks are interchangeable only between engines of the same model, dtype and head split.
-        self.namespace = (f"{mc.served_model_name}|{str(mc.dtype).removeprefix('torch.')}|bs{self.block_size}"
-                          f"|tp{config.parallel.tensor_parallel_size}")
+        # Blocks are interchangeable only between engines of the same weights, dtype and head split.
+        self.namespace = block_namespace(config)
         self.backend: BlockBackend | None = None
         # scheduler side
         self._loads: list[LoadSpec] = []

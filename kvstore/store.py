@@ -15,13 +15,20 @@ from typing import Union
 Value = Union[bytes, memoryview]
 
 
+# What one entry costs beyond its key and value bytes: the dict slot, the key object and the
+# value's view or bytes header. Charged so that a flood of tiny values cannot hold unbounded
+# memory under a small capacity (200,000 one-byte values would otherwise "weigh" 200 KB).
+ENTRY_OVERHEAD_BYTES = 256
+
+
 class ValueTooLarge(ValueError):
-    """A single value is larger than the whole store."""
+    """A single entry is larger than the whole store."""
 
 
 @dataclass
 class StoreStats:
     capacity_bytes: int
+    # Bytes charged against the capacity: keys, values and ENTRY_OVERHEAD_BYTES per entry.
     bytes_stored: int = 0
     entries: int = 0
     hits: int = 0
@@ -40,8 +47,13 @@ def value_size(value: Value) -> int:
     return value.nbytes if isinstance(value, memoryview) else len(value)
 
 
+def entry_size(key: bytes, value: Value) -> int:
+    """What an entry is charged against the capacity."""
+    return len(key) + value_size(value) + ENTRY_OVERHEAD_BYTES
+
+
 class BlockStore:
-    """LRU store bounded by the total size of its values (keys are not counted).
+    """LRU store bounded by the total size of its entries (key + value + a fixed overhead each).
 
     Only `put` and `get` refresh a key's recency; `prefix_length` is a question about presence
     and leaves the order alone, so asking never keeps a block alive. Hits and misses count keys
@@ -68,29 +80,30 @@ class BlockStore:
         """Keys from least to most recently used."""
         return list(self._entries)
 
-    def check_fits(self, size: int) -> None:
+    def check_fits(self, key: bytes, value: Value) -> None:
+        size = entry_size(key, value)
         if size > self.capacity_bytes:
-            raise ValueTooLarge(f"a value of {size} bytes is larger than the store's capacity of "
-                                f"{self.capacity_bytes} bytes")
+            raise ValueTooLarge(f"a value of {value_size(value)} bytes ({size} bytes with its key and entry "
+                                f"overhead) is larger than the store's capacity of {self.capacity_bytes} bytes")
 
     def put(self, key: bytes, value: Value) -> None:
-        size = value_size(value)
         try:
-            self.check_fits(size)
+            self.check_fits(key, value)
         except ValueTooLarge:
             self.stats.refused += 1
             raise
         stats = self.stats
+        size = entry_size(key, value)
         old = self._entries.pop(key, None)
         if old is not None:
-            stats.bytes_stored -= value_size(old)
+            stats.bytes_stored -= entry_size(key, old)
         while stats.bytes_stored + size > stats.capacity_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            stats.bytes_stored -= value_size(evicted)
+            evicted_key, evicted = self._entries.popitem(last=False)
+            stats.bytes_stored -= entry_size(evicted_key, evicted)
             stats.evictions += 1
         self._entries[key] = value
         stats.bytes_stored += size
-        stats.bytes_in += size
+        stats.bytes_in += value_size(value)
         stats.puts += 1
         stats.entries = len(self._entries)
 
@@ -98,9 +111,9 @@ class BlockStore:
         """Store every pair, or none of them if any value is too large."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        for value in values:
+        for key, value in zip(keys, values):
             try:
-                self.check_fits(value_size(value))
+                self.check_fits(key, value)
             except ValueTooLarge:
                 self.stats.refused += 1
                 raise

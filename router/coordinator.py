@@ -23,7 +23,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from pdserve.engine.core.load_reporter import LoadReport, tcp_endpoint
+from pdserve.engine import internal_auth
+from pdserve.engine.core.load_reporter import MAX_REPORT_BYTES, LoadReport, tcp_endpoint
 from pdserve.router.coordinator_state import Ignored, LoadBook
 
 log = logging.getLogger("pdserve.coordinator")
@@ -43,6 +44,9 @@ class CoordinatorSettings:
     publish_interval: float = 0.1
     stale_after: float = 3.0
     forget_after: float = 60.0
+    # The deployment's internal key: only its holders may report, subscribe or read /blocks.
+    # None: plain sockets and an open /blocks (insecure mode, warned about at start).
+    internal_key: bytes | None = None
 
 
 class CoordinatorMetrics:
@@ -58,8 +62,13 @@ class CoordinatorMetrics:
                                  registry=self.registry)
         self.cached_blocks = Gauge("pdserve_coordinator_cached_blocks", "Cached KV blocks the engines hold",
                                    registry=self.registry)
+        self.hashes_dropped = Counter("pdserve_coordinator_block_hashes_dropped",
+                                      "Block hashes not indexed, by the bound they exceeded", ["bound"],
+                                      registry=self.registry)
         for reason in Ignored:
             self.ignored.labels(reason.value)
+        for bound in ("per_report", "per_engine"):
+            self.hashes_dropped.labels(bound)
 
 
 class Coordinator:
@@ -84,7 +93,11 @@ class Coordinator:
             self._warn_malformed(exc)
             reason: Ignored | None = Ignored.MALFORMED
         else:
+            dropped_before = dict(self.book.hashes_dropped)
             reason = self.book.accept(report, now)
+            for bound, count in self.book.hashes_dropped.items():
+                if count > dropped_before[bound]:
+                    self.metrics.hashes_dropped.labels(bound).inc(count - dropped_before[bound])
         if reason is None:
             self.metrics.reports.inc()
         else:
@@ -134,12 +147,18 @@ class Coordinator:
 
     # -- HTTP ---------------------------------------------------------------------------------
 
-    def _route(self, path: str) -> tuple[int, bytes, bytes]:
+    def _route(self, path: str, key_header: str | None = None) -> tuple[int, bytes, bytes]:
         now = time.monotonic()
         if path == "/stats":
+            # Load numbers only, all from authenticated reports: open to the autoscaler and people.
             self.book.sweep(now)
             return 200, b"application/json", self._json.encode(self.book.stats(now))
         if path == "/blocks":
+            # The hashes tell which prompts were sent: for the routers (key holders) only.
+            key = self.settings.internal_key
+            if key is not None and not internal_auth.header_matches(key_header, key):
+                return 401, b"application/json", self._json.encode(
+                    {"error": f"/blocks needs the {internal_auth.HEADER} header"})
             return 200, b"application/json", self._json.encode(self.book.blocks_hex())
         if path == "/health":
             return 200, b"application/json", b'{"status":"ok"}'
@@ -162,7 +181,7 @@ class Coordinator:
             status, ctype, body = 405, b"application/json", b'{"error":"only GET is served here"}'
         else:
             try:
-                status, ctype, body = self._route(scope["path"])
+                status, ctype, body = self._route(scope["path"], _header(scope, _KEY_HEADER))
             except Exception:
                 log.exception("failed to answer %s", scope["path"])
                 status, ctype, body = 500, b"application/json", b'{"error":"internal error"}'
@@ -177,9 +196,13 @@ class Coordinator:
         s = self.settings
         ctx = zmq.asyncio.Context()
         http_sock = None
+        if s.internal_key is None:
+            log.warning("coordinator: no internal key (PDSERVE_INTERNAL_KEY / --internal-key-file): its ZMQ sockets "
+                        "are unauthenticated (anyone who can reach them can report load or read the feed) and "
+                        "/blocks is open")
         try:
-            pull = _bound(ctx, zmq.PULL, s.host, s.stats_port)
-            pub = _bound(ctx, zmq.PUB, s.host, s.publish_port)
+            pull = _bound(ctx, zmq.PULL, s.host, s.stats_port, s.internal_key, max_message=MAX_REPORT_BYTES)
+            pub = _bound(ctx, zmq.PUB, s.host, s.publish_port, s.internal_key)
             pub.setsockopt(zmq.SNDHWM, PUBLISH_HWM)
             http_sock = _http_socket(s.host, s.http_port)
             server = _SignalFreeServer(uvicorn.Config(self.http_app, interface="asgi3", log_level="warning",
@@ -205,16 +228,32 @@ class Coordinator:
         finally:
             if http_sock is not None:
                 http_sock.close()
+            internal_auth.stop_authenticator(ctx)
             ctx.destroy(linger=0)
         log.info("coordinator stopped")
 
 
-def _bound(ctx: zmq.asyncio.Context, kind: int, host: str, port: int) -> zmq.asyncio.Socket:
+_KEY_HEADER = internal_auth.HEADER.lower().encode()
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _bound(ctx: zmq.asyncio.Context, kind: int, host: str, port: int, key: bytes | None,
+           max_message: int | None = None) -> zmq.asyncio.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if max_message is not None:
+        # A larger frame is never allocated: libzmq drops the peer on reading its length.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message)
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     try:
+        internal_auth.secure_server(sock, key)  # only key holders complete the handshake
         sock.bind(tcp_endpoint(host, port))
     except zmq.ZMQError as exc:
         sock.close()

@@ -28,17 +28,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without a report before an engine is marked stale")
     p.add_argument("--forget-after", type=_positive, default=60.0,
                    help="seconds an engine stays listed as stale before it is dropped")
+    p.add_argument("--internal-key-file", default=None, metavar="PATH",
+                   help="file holding the deployment's internal key (else $PDSERVE_INTERNAL_KEY or "
+                        "$PDSERVE_INTERNAL_KEY_FILE); only its holders may report, subscribe or read /blocks. "
+                        "Without any, the sockets are plain and a warning says so")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdserve.engine import internal_auth
     from pdserve.engine.logging_config import configure_logging
     from pdserve.router.coordinator import Coordinator, CoordinatorSettings
 
     configure_logging(args.log_level)
+    try:
+        key = (internal_auth.use_key_file(args.internal_key_file) if args.internal_key_file
+               else internal_auth.load_internal_key())
+    except internal_auth.InternalKeyError as exc:
+        print(f"pdserve coordinator: {exc}", file=sys.stderr)
+        return 2
     settings = CoordinatorSettings(host=args.host, stats_port=args.stats_port, publish_port=args.publish_port,
                                    http_port=args.http_port, publish_interval=args.publish_interval,
-                                   stale_after=args.stale_after, forget_after=args.forget_after)
+                                   stale_after=args.stale_after, forget_after=args.forget_after,
+                                   internal_key=key)
 
     def ready() -> None:
         print(f"pdserve coordinator: ready (reports on :{settings.stats_port}, publishing on "

@@ -26,12 +26,21 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pdserve.engine.core.block_events import BlockEvents
-from pdserve.engine.core.load_reporter import LoadReport
+from pdserve.engine.core.load_reporter import MAX_BLOCK_EVENTS_PER_REPORT, MAX_HASH_BYTES, LoadReport
 from pdserve.router.coordinator_protocol import ROLES, BlockEvent, CoordinatorUpdate, EngineLoad
 
 log = logging.getLogger("pdserve.coordinator")
 
 RESTART_MIN_GAP = 1.0
+# No engine queues or runs this many requests: a report that says so is forged or broken, and
+# would scale a pool to its maximum through the autoscaler.
+MAX_REQUESTS = 1_000_000
+MAX_BLOCK_SIZE = 1 << 16
+MAX_TEXT = 512  # engine id, role and address characters
+# Cached block hashes kept per engine. A large KV cache holds a few hundred thousand blocks (e.g.
+# 100 GB of a 1B model's 512 KiB blocks is 200k); a million is far above that, and bounds the
+# memory one engine can make us hold (~100 MB) and the size of `/blocks`.
+MAX_BLOCKS_PER_ENGINE = 1_000_000
 
 
 class Ignored(str, enum.Enum):
@@ -58,11 +67,32 @@ def problem_with(report: LoadReport) -> str | None:
         return "empty engine id"
     if report.role not in ROLES:
         return f"unknown role {report.role!r}"
-    if min(report.waiting, report.running, report.seq, report.step, report.block_size) < 0:
+    if max(len(report.id), len(report.address)) > MAX_TEXT:
+        return "engine id or address too long"
+    if min(report.waiting, report.running, report.seq, report.step, report.block_size, report.dp_rank) < 0:
         return "negative count"
     if not (math.isfinite(report.kv_usage) and math.isfinite(report.time)):
         return "non-finite number"
+    if max(report.waiting, report.running) > MAX_REQUESTS:
+        return f"waiting or running above {MAX_REQUESTS}"
+    if not 0.0 <= report.kv_usage <= 1.0:
+        return f"kv_usage {report.kv_usage} outside [0, 1]"
+    if report.block_size > MAX_BLOCK_SIZE:
+        return f"block_size above {MAX_BLOCK_SIZE}"
+    if any(len(h) > MAX_HASH_BYTES for h in report.stored) or any(len(h) > MAX_HASH_BYTES for h in report.removed):
+        return f"a block hash longer than {MAX_HASH_BYTES} bytes"
     return None
+
+
+def capped_events(stored: list[bytes], removed: list[bytes],
+                  limit: int = MAX_BLOCK_EVENTS_PER_REPORT) -> tuple[list[bytes], list[bytes], int]:
+    """(stored, removed, dropped): at most `limit` hashes of one report, removals first (they
+    free room); an honest engine never sends more (its reporter caps the same way)."""
+    if len(stored) + len(removed) <= limit:
+        return stored, removed, 0
+    kept_removed = removed[:limit]
+    kept_stored = stored[:limit - len(kept_removed)]
+    return kept_stored, kept_removed, len(stored) + len(removed) - len(kept_stored) - len(kept_removed)
 
 
 class LoadBook:
@@ -70,6 +100,8 @@ class LoadBook:
         self.stale_after = stale_after
         self.forget_after = forget_after
         self.engines: dict[str, TrackedEngine] = {}
+        # Block hashes dropped by the bounds, by which bound: counted, never silently lost.
+        self.hashes_dropped = {"per_report": 0, "per_engine": 0}
         self._pending: dict[str, BlockEvents] = {}
         # Set when routers should hear now rather than at the next tick: an engine appeared,
         # came back, restarted, changed its wave, went stale or was forgotten.
@@ -102,7 +134,12 @@ class LoadBook:
             if engine.stale or report.wave != last.wave or (report.role, report.address) != (last.role, last.address):
                 self.urgent = True
             engine.report, engine.received, engine.stale_since = report, now, None
-        self._apply_blocks(engine, report.stored, report.removed, report.cleared)
+        stored, removed, dropped = capped_events(report.stored, report.removed)
+        if dropped:
+            self.hashes_dropped["per_report"] += dropped
+            log.warning("engine %s sent %d block events in one report; kept %d", report.id,
+                        len(report.stored) + len(report.removed), MAX_BLOCK_EVENTS_PER_REPORT)
+        self._apply_blocks(engine, stored, removed, report.cleared)
         return None
 
     def _apply_blocks(self, engine: TrackedEngine, stored: Iterable[bytes], removed: Iterable[bytes],
@@ -111,8 +148,14 @@ class LoadBook:
             engine.blocks.clear()
         for block_hash in removed:
             engine.blocks.pop(block_hash, None)
+        kept = []
         for block_hash in stored:
+            if block_hash not in engine.blocks and len(engine.blocks) >= MAX_BLOCKS_PER_ENGINE:
+                self.hashes_dropped["per_engine"] += 1
+                continue
             engine.blocks[block_hash] = None
+            kept.append(block_hash)
+        stored = kept
         if stored or removed or cleared:
             pending = self._pending.get(engine.report.id)
             if pending is None:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import httpx
 import msgspec
 
+from pdserve.engine import internal_auth
 from pdserve.router.balancer import EngineLoad
 from pdserve.router.prefix import BlockIndex
 
@@ -111,7 +112,10 @@ class FeedSubscriber:
         if not self.seed_url or self.client is None:
             return
         try:
-            response = await self.client.get(self.seed_url, timeout=5.0)
+            # /blocks answers only holders of the internal key (it tells which prompts were sent).
+            key = internal_auth.load_internal_key()
+            headers = {internal_auth.HEADER: key.decode()} if key is not None else {}
+            response = await self.client.get(self.seed_url, timeout=5.0, headers=headers)
             response.raise_for_status()
             snapshot = response.json()
             for engine_id, hashes in snapshot.items():
@@ -129,6 +133,8 @@ class FeedSubscriber:
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.setsockopt(zmq.RCVHWM, 100)
         socket.setsockopt(zmq.LINGER, 0)
+        # The coordinator publishes only to holders of the internal key (CURVE).
+        internal_auth.secure_client(socket, internal_auth.load_internal_key())
         socket.connect(f"tcp://{self.address}")
         log.info("subscribed to the coordinator feed at tcp://%s", self.address)
         bad = 0

@@ -21,6 +21,7 @@ thread-safe).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+from pdserve.engine import internal_auth
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
@@ -41,6 +44,15 @@ BUSY_INTERVAL = 0.05
 IDLE_INTERVAL = 1.0
 # A few reports may queue while the connection is up but slow; older ones are worth little.
 SEND_HWM = 16
+# Block hashes (stored + removed) in one report. A delta between two reports 50 ms apart is a few
+# hundred at most; only a full resync of a very large cache comes near this, and then it carries
+# this many and the rest stays unindexed until stored again (the router loses a prefix bonus for
+# them, nothing else). It bounds a report to ~2.3 MB: 65,536 SHA-256 hashes of 34 bytes packed.
+MAX_BLOCK_EVENTS_PER_REPORT = 65_536
+MAX_HASH_BYTES = 64
+# The coordinator's ZMQ_MAXMSGSIZE for reports: any report within the bounds above fits with
+# room to spare; libzmq drops a peer that sends a larger frame before allocating it.
+MAX_REPORT_BYTES = 8 * 2**20
 
 
 class LoadReport(msgspec.Struct, gc=False):
@@ -94,6 +106,8 @@ class LoadReporter:
         self.idle_interval = idle_interval
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUSH)
+        # The coordinator takes reports only from holders of the internal key (CURVE).
+        internal_auth.secure_client(self._sock, internal_auth.load_internal_key())
         self._sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._sock.setsockopt(zmq.LINGER, 0)
         if ":" in host:
@@ -104,6 +118,7 @@ class LoadReporter:
         self.seq = 0
         self.sent = 0
         self.dropped = 0
+        self.truncated = 0  # reports whose block events were cut to MAX_BLOCK_EVENTS_PER_REPORT
         self._last_attempt = -math.inf
         self._last_shape: tuple[bool, bool, int] | None = None
         self._resync = True  # the first report carries the whole index
@@ -149,6 +164,11 @@ class LoadReporter:
             stored, removed, cleared = drained.stored, drained.removed, drained.cleared
         else:
             stored, removed, cleared = [], [], False
+        if len(stored) + len(removed) > MAX_BLOCK_EVENTS_PER_REPORT:
+            # Too many changes for one report (or an index larger than one report carries): send
+            # the index, truncated; the coordinator caps reports the same way.
+            stored, removed, cleared = list(itertools.islice(pool.cached, MAX_BLOCK_EVENTS_PER_REPORT)), [], True
+            self.truncated += 1
         self.seq += 1
         report = LoadReport(
             id=self.engine_id, role=self.role, address=self.address, dp_rank=self.dp_rank, seq=self.seq,

@@ -226,12 +226,15 @@ class DPAsyncMPClient:
                     pass  # its forwarder reports the death
 
     async def _follow_feed(self, address: str) -> None:
+        from pdserve.engine import internal_auth
         from pdserve.engine.core.load_reporter import parse_host_port, tcp_endpoint
 
         self._feed_ctx = zmq.asyncio.Context()
         sub = self._feed_ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # The coordinator publishes only to holders of the internal key (CURVE).
+        internal_auth.secure_client(sub, internal_auth.load_internal_key())
         sub.connect(tcp_endpoint(*parse_host_port(address)))
         decoder = msgspec.msgpack.Decoder(_Feed)
         while True:

@@ -19,6 +19,9 @@ MAX_TP_SIZE = 64
 MAX_ID_CHARS = 256
 MAX_BLOCK_ID = 2**31 - 1
 TRANSPORTS = ("tcp", "nixl")
+# The store connectors' params say which connector made them and nothing else: their blocks are
+# found by the decode engine's own prefix hashes, so they are bound to its prompt by construction.
+CONNECTORS = ("p2p", "kvstore", "shared-storage")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 # What a decode engine needs to pull from a prefill engine (`remote_port` or `remote_ports`).
@@ -83,6 +86,12 @@ def _transport(field: str, value: Any) -> str:
     return value
 
 
+def _connector(field: str, value: Any) -> str:
+    if value not in CONNECTORS:
+        raise _fail(field, f"must be one of {', '.join(CONNECTORS)}")
+    return value
+
+
 def _digest(field: str, value: Any) -> str:
     if not isinstance(value, str) or not _DIGEST.match(value):
         raise _fail(field, "must be 64 lowercase hex digits (the prefill engine's SHA-256 of the prompt)")
@@ -107,6 +116,7 @@ def validate_kv_transfer_params(raw: Any, max_blocks: int) -> dict[str, Any]:
         "remote_tp_size": _tp_size,
         "transport": _transport,
         "prompt_digest": _digest,
+        "kv_connector": _connector,
     }
     unknown = sorted(set(raw) - set(checks))
     if unknown:
@@ -114,7 +124,7 @@ def validate_kv_transfer_params(raw: Any, max_blocks: int) -> dict[str, Any]:
     params = {key: checks[key](key, value) for key, value in raw.items()}
     if params.get("do_remote_decode") and params.get("do_remote_prefill"):
         raise _fail("do_remote_prefill", "cannot be true together with do_remote_decode")
-    if params.get("do_remote_prefill"):
+    if params.get("do_remote_prefill") and params.get("kv_connector", "p2p") == "p2p":
         for key in PULL_KEYS:
             if key not in params:
                 raise _fail(key, "is required with do_remote_prefill")
@@ -129,7 +139,7 @@ def validate_kv_transfer_params(raw: Any, max_blocks: int) -> dict[str, Any]:
 def check_blocks_fit_prompt(params: dict[str, Any], prompt_len: int, block_size: int) -> None:
     """A pull names the prefill's blocks of this very prompt: as many as the prompt fills (the
     prefill may hold one more for the token it sampled). Raises APIError(400)."""
-    if not params.get("do_remote_prefill"):
+    if not params.get("do_remote_prefill") or "remote_block_ids" not in params:
         return
     count = len(params["remote_block_ids"])
     least = -(-max(prompt_len - 1, 0) // block_size)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -22,9 +19,12 @@ import torch
 import yaml
 import zmq
 
+from pdserve.engine import internal_auth
 from pdserve.kvstore import protocol
 from pdserve.kvstore.cli import parse_quantity
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.store import ENTRY_OVERHEAD_BYTES
+from support.kvstore import StoreProcess, free_port_pair, kvstore_cmd, running_store, start_store, stop
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -33,88 +33,6 @@ BLOCK_SHAPE = (32, 2, 16, 8, 128)
 BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (the store's HTTP port defaults to p + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
-
-
-@dataclass
-class StoreProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def http(self) -> str:
-        return f"http://127.0.0.1:{self.port + 1}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.http}/metrics", timeout=5).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-
-def start_store(cmd: list[str], port: int, log_path: Path) -> StoreProcess:
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"))
-    store = StoreProcess(proc, port, log_path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvstore exited with {proc.returncode}:\n{store.log()}")
-        try:
-            if httpx.get(f"{store.http}/health", timeout=2).status_code == 200:
-                return store
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError(f"kvstore not healthy:\n{store.log()}")
-
-
-def kvstore_cmd(port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve", "kvstore", "--host", "127.0.0.1", "--port", str(port), *args]
-
-
-@contextmanager
-def running_store(tmp_path: Path, *args: str) -> Iterator[StoreProcess]:
-    port = free_port_pair()
-    store = start_store(kvstore_cmd(port, *args), port, tmp_path / f"kvstore-{port}.log")
-    try:
-        yield store
-    finally:
-        stop(store)
-
-
-def stop(store: StoreProcess) -> int:
-    if store.proc.poll() is None:
-        store.proc.send_signal(signal.SIGTERM)
-        try:
-            store.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            store.proc.kill()
-            store.proc.wait()
-    return store.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +45,11 @@ def store(tmp_path_factory) -> Iterator[StoreProcess]:
 
 @pytest.fixture
 def raw(store) -> Iterator[zmq.Socket]:
-    """A bare DEALER socket, to send what the client never would."""
+    """A bare DEALER socket holding the key, to send what the client never would."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    internal_auth.secure_client(sock, internal_auth.load_internal_key())
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(store.url)
     yield sock
@@ -287,7 +206,10 @@ def test_client_surfaces_refusals_as_kvstore_errors(store):
 
 def test_capacity_holds_under_a_stream_of_puts_through_the_service(tmp_path):
     value_size, capacity_values = 256 * 1024, 8
-    with running_store(tmp_path, "--capacity", str(capacity_values * value_size)) as store, \
+    # An entry is charged its value, its key (namespace-prefixed: 16 bytes for "block-NN" here)
+    # and a fixed overhead.
+    entry = value_size + len(protocol.store_key("stream", b"block-10")) + ENTRY_OVERHEAD_BYTES
+    with running_store(tmp_path, "--capacity", str(capacity_values * entry)) as store, \
             KVStoreClient(store.url, "stream") as client:
         keys = [f"block-{i}".encode() for i in range(40)]
         for start in range(0, len(keys), 4):
@@ -306,9 +228,9 @@ def test_capacity_holds_under_a_stream_of_puts_through_the_service(tmp_path):
         metrics = store.metrics()
         assert metrics["pdserve_kvstore_evictions_total"] == len(keys) + 1 - capacity_values
         assert metrics["pdserve_kvstore_entries"] == capacity_values
-        assert metrics["pdserve_kvstore_bytes_stored"] == capacity_values * value_size
+        assert metrics["pdserve_kvstore_bytes_stored"] == capacity_values * entry
         with pytest.raises(KVStoreError, match="larger than the store's capacity"):
-            client.put([b"too-big"], [bytes(capacity_values * value_size + 1)])
+            client.put([b"too-big"], [bytes(capacity_values * entry + 1)])
         assert client.contains([oldest]) == 1  # the refused put evicted nothing
 
 
@@ -400,6 +322,7 @@ def test_capacity_quantities():
     (["--capacity", "0"], "capacity must be more than zero bytes"),
     (["--capacity", "1Gi", "--capacity-gib", "1"], "not allowed with argument"),
     (["--max-frame-bytes", "-3"], "must be positive"),
+    (["--max-frame-bytes", str(2**30)], "must be at most 268435456 bytes"),
 ])
 def test_bad_flags_are_a_clear_start_up_error(args, message):
     result = subprocess.run(kvstore_cmd(free_port_pair(), *args), capture_output=True, text=True, timeout=60,

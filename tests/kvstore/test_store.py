@@ -9,11 +9,15 @@ import pytest
 
 from pdserve.kvstore import protocol
 from pdserve.kvstore.protocol import Limits, ProtocolError, RequestHeader
-from pdserve.kvstore.store import BlockStore, ValueTooLarge
+from pdserve.kvstore.store import ENTRY_OVERHEAD_BYTES, BlockStore, ValueTooLarge, entry_size
+
+# What a one-byte key with a value of n bytes is charged.
+def cost(n: int) -> int:
+    return 1 + n + ENTRY_OVERHEAD_BYTES
 
 
 def test_get_refreshes_so_the_least_recently_used_goes_first():
-    store = BlockStore(capacity_bytes=300)
+    store = BlockStore(capacity_bytes=3 * cost(100))
     for key in (b"a", b"b", b"c"):
         store.put(key, bytes(100))
     assert store.get(b"a") is not None  # a is now the most recent: b is the oldest
@@ -24,18 +28,19 @@ def test_get_refreshes_so_the_least_recently_used_goes_first():
 
 
 def test_put_refreshes_and_an_overwrite_replaces_the_size():
-    store = BlockStore(capacity_bytes=300)
+    store = BlockStore(capacity_bytes=3 * cost(100))
     store.put(b"a", bytes(100))
     store.put(b"b", bytes(100))
-    store.put(b"a", bytes(150))  # overwrite: a is now the most recent, 250 bytes in all
-    assert store.keys() == [b"b", b"a"] and store.stats.bytes_stored == 250 and store.stats.entries == 2
-    store.put(b"c", bytes(100))  # 350 > 300: b goes, a stays
-    assert store.keys() == [b"a", b"c"] and store.stats.bytes_stored == 250
+    store.put(b"a", bytes(150))  # overwrite: a is now the most recent
+    assert store.keys() == [b"b", b"a"] and store.stats.bytes_stored == cost(100) + cost(150)
+    assert store.stats.entries == 2
+    store.put(b"c", bytes(200))  # over the capacity: b goes, a stays
+    assert store.keys() == [b"a", b"c"] and store.stats.bytes_stored == cost(150) + cost(200)
     assert bytes(store.get(b"a")) == bytes(150)
 
 
 def test_prefix_length_asks_without_refreshing():
-    store = BlockStore(capacity_bytes=200)
+    store = BlockStore(capacity_bytes=2 * cost(100))
     store.put(b"a", bytes(100))
     store.put(b"b", bytes(100))
     assert store.prefix_length([b"a", b"b", b"x", b"a"]) == 2
@@ -55,50 +60,70 @@ def test_capacity_holds_under_a_stream_of_puts_oldest_first():
         store.put(key, bytes([index % 256]) * size)
         written.append((key, size))
         assert store.stats.bytes_stored <= capacity
-        assert store.stats.bytes_stored == sum(len(store._entries[k]) for k in store.keys())
+        assert store.stats.bytes_stored == sum(entry_size(k, store._entries[k]) for k in store.keys())
         # What is left is exactly the newest puts that fit, in order: nothing younger was evicted.
         kept, total = [], 0
         for k, s in reversed(written):
-            if total + s > capacity:
+            if total + entry_size(k, bytes(s)) > capacity:
                 break
             kept.append(k)
-            total += s
+            total += entry_size(k, bytes(s))
         assert store.keys() == kept[::-1]
     assert store.stats.entries == len(store) and store.stats.evictions == 2000 - len(store)
     assert store.stats.puts == 2000 and store.stats.bytes_in == sum(s for _, s in written)
 
 
 def test_a_value_larger_than_the_store_is_refused_and_changes_nothing():
-    store = BlockStore(capacity_bytes=100)
+    capacity = cost(100)
+    store = BlockStore(capacity_bytes=capacity)
     store.put(b"a", bytes(60))
-    with pytest.raises(ValueTooLarge, match="101 bytes is larger than the store's capacity of 100"):
-        store.put(b"big", bytes(101))
-    store.put(b"exact", bytes(100))  # exactly the capacity fits (after evicting a)
-    assert store.keys() == [b"exact"] and store.stats.refused == 1
+    with pytest.raises(ValueTooLarge, match=f"101 bytes .* is larger than the store's capacity of {capacity}"):
+        store.put(b"b", bytes(101))
+    with pytest.raises(ValueTooLarge):  # the key counts too
+        store.put(b"bb", bytes(100))
+    store.put(b"e", bytes(100))  # exactly the capacity fits (after evicting a)
+    assert store.keys() == [b"e"] and store.stats.refused == 2
     # A batch with one oversize value stores none of it.
     with pytest.raises(ValueTooLarge):
         store.put_all([b"x", b"y"], [bytes(10), bytes(500)])
-    assert store.keys() == [b"exact"] and store.stats.refused == 2
+    assert store.keys() == [b"e"] and store.stats.refused == 3
     with pytest.raises(ValueError, match="capacity must be more than zero"):
         BlockStore(capacity_bytes=0)
 
 
 def test_counters():
-    store = BlockStore(capacity_bytes=1000)
+    capacity = cost(300) + cost(200) + cost(100)
+    store = BlockStore(capacity_bytes=capacity)
     store.put_all([b"a", b"b"], [bytes(300), memoryview(bytes(200))])
     assert store.get(b"a") is not None and store.get(b"b") is not None and store.get(b"zz") is None
     store.put(b"c", bytes(600))  # evicts a (b was read more recently)
     stats = store.stats.as_dict()
-    assert stats == {"capacity_bytes": 1000, "bytes_stored": 800, "entries": 2, "hits": 2, "misses": 1,
+    assert stats == {"capacity_bytes": capacity, "bytes_stored": cost(200) + cost(600), "entries": 2,
+                     "hits": 2, "misses": 1,
                      "bytes_in": 1100, "bytes_out": 500, "evictions": 1, "puts": 3, "refused": 0}
 
 
 def test_stored_values_are_never_aliased_by_a_later_overwrite():
-    store = BlockStore(capacity_bytes=1000)
+    store = BlockStore(capacity_bytes=10 * cost(10))
     store.put(b"a", b"\x01" * 10)
     first = store.get(b"a")
     store.put(b"a", b"\x02" * 10)
     assert bytes(first) == b"\x01" * 10 and bytes(store.get(b"a")) == b"\x02" * 10
+
+
+def test_keys_count_toward_the_capacity_so_tiny_values_cannot_pile_up():
+    # The attack: a 1 KiB store kept 200,000 one-KB keys, as only value bytes were counted.
+    store = BlockStore(capacity_bytes=2**10)
+    for i in range(2_000):
+        with pytest.raises(ValueTooLarge):  # each entry alone is over 1 KiB
+            store.put(f"{i:06d}".encode() + bytes(1000), b"")
+    assert len(store) == 0 and store.stats.refused == 2_000 and store.stats.bytes_stored == 0
+    store = BlockStore(capacity_bytes=64 * 2**10)
+    for i in range(20_000):
+        store.put(f"{i:06d}".encode() + bytes(500), b"x")
+    held = sum(len(k) + 1 for k in store.keys())
+    assert store.stats.bytes_stored <= 64 * 2**10 and held < 64 * 2**10
+    assert len(store) == 64 * 2**10 // entry_size(bytes(506), b"x")
 
 
 # --- header checks (the service answers each ProtocolError with an error reply) ---

@@ -26,6 +26,7 @@ from pdserve.engine.core.load_reporter import LoadReport
 from pdserve.operator.autoscaler import PoolLoad, parse_stats
 from pdserve.operator.render import render
 from pdserve.router.coordinator_state import RESTART_MIN_GAP, Ignored, LoadBook
+from support.auth import internal_headers
 from support.coordinator import FakeEngine, Subscriber, run_coordinator, stop, wait_for
 from support.server import free_port, run_server, wait_healthy
 
@@ -205,7 +206,7 @@ def test_block_events_carry_the_engines_own_prefix_hashes(coordinator, engines, 
 
     subscriber.until(has_all, "the prompt's block hashes")
     assert sorted(stored) == sorted(expected)  # exactly the prompt's blocks (3 generated tokens fill none)
-    blocks = httpx.get(f"{coordinator.url}/blocks", timeout=10).json()
+    blocks = httpx.get(f"{coordinator.url}/blocks", headers=internal_headers(), timeout=10).json()
     assert {h.hex() for h in expected} <= set(blocks[engine_id])
 
     # The same prompt again hits those blocks, and publishes nothing new.
@@ -302,6 +303,6 @@ def test_a_killed_engine_goes_stale_then_is_dropped(coordinator, engines, subscr
                      timeout=FORGET_AFTER + 15, seen=seen)
     assert any(b.id == engine_id and b.cleared for u in seen for b in u.block_events)
     assert coordinator.engine(engine_id) is None
-    assert engine_id not in httpx.get(f"{coordinator.url}/blocks", timeout=10).json()
+    assert engine_id not in httpx.get(f"{coordinator.url}/blocks", headers=internal_headers(), timeout=10).json()
     alive = listed(coordinator, decode)
     assert alive is not None and not alive["stale"]  # the idle decode engine keeps its heartbeat

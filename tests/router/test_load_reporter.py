@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from pdserve.cli import build_parser
+from pdserve.engine import internal_auth
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.core.block_events import BlockEvents
 from pdserve.engine.core.block_pool import BlockPool
@@ -132,12 +133,15 @@ def add_request(scheduler: Scheduler, request_id: str, tokens: list[int]) -> Req
 def ctx():
     context = zmq.Context()
     yield context
+    internal_auth.stop_authenticator(context)
     context.destroy(linger=0)
 
 
 def bind_pull(ctx: zmq.Context, port: int) -> zmq.Socket:
+    """The coordinator's stats socket: a CURVE server of the session's key, as the real one."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    internal_auth.secure_server(sock, internal_auth.load_internal_key())
     for _ in range(100):  # a just-closed listener may hold the port for a moment
         try:
             sock.bind(f"tcp://127.0.0.1:{port}")

@@ -121,6 +121,16 @@ def test_a_pull_needs_every_field_that_locates_the_blocks(missing):
     assert caught.value.status == 400 and caught.value.param == f"kv_transfer_params.{missing}"
 
 
+async def test_a_store_connectors_params_need_no_pull_fields():
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "kv_connector": "kvstore",
+              "remote_engine_id": "prefill-0"}
+    assert validate_kv_transfer_params(params, max_blocks=16) == params
+    check_blocks_fit_prompt(params, prompt_len=40, block_size=16)
+    with pytest.raises(APIError) as caught:
+        validate_kv_transfer_params(dict(params, kv_connector="mystery"), max_blocks=16)
+    assert caught.value.param == "kv_transfer_params.kv_connector"
+
+
 async def test_the_block_count_must_fit_the_prompt(engine):
     async with asgi_client(build_app(engine, ServerSettings(internal_key=KEY))) as client:
         resp = await client.post("/v1/completions", json=completion(kv_transfer_params=dict(PULL, remote_block_ids=[1, 2, 3])),

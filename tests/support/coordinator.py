@@ -16,6 +16,7 @@ import httpx
 import msgspec
 import zmq
 
+from pdserve.engine import internal_auth
 from pdserve.engine.core.load_reporter import LoadReport
 from pdserve.router.coordinator_protocol import CoordinatorUpdate
 from support.server import free_port, wait_healthy
@@ -58,14 +59,23 @@ class CoordinatorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+FROM_ENV: Any = object()
+
+
+def _key(key: Any) -> bytes | None:
+    return internal_auth.load_internal_key() if key is FROM_ENV else key
+
+
 @contextmanager
-def run_coordinator(*args: str, tmp_path: Path) -> Iterator[CoordinatorProcess]:
+def run_coordinator(*args: str, tmp_path: Path, env: dict[str, str] | None = None) -> Iterator[CoordinatorProcess]:
+    """`env`: the process's whole environment (default: this one's, so it holds the session key)."""
     ports = [free_port() for _ in range(3)]
     log_path = tmp_path / f"coordinator-{ports[2]}.log"
     cmd = [sys.executable, "-m", "pdserve", "coordinator", "--host", "127.0.0.1", "--stats-port", str(ports[0]),
            "--publish-port", str(ports[1]), "--http-port", str(ports[2]), *args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ if env is None else env, PYTHONSAFEPATH="1"),
                                 start_new_session=True)
     coordinator = CoordinatorProcess(proc, *ports, log_path)
     try:
@@ -96,13 +106,15 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 20.0, int
 
 
 class FakeEngine:
-    """Pushes hand-made reports to a coordinator's stats socket, as an engine core would."""
+    """Pushes hand-made reports to a coordinator's stats socket, as an engine core would; with the
+    session's internal key unless `key` says otherwise (None: a plain socket, as an outsider)."""
 
     def __init__(self, stats_address: str, engine_id: str, role: str = "decode", address: str = "10.0.0.1:8000",
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, key: Any = FROM_ENV) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        internal_auth.secure_client(self.sock, _key(key))
         self.sock.connect(f"tcp://{stats_address}")
         self.engine_id, self.role, self.address = engine_id, role, address
         self.seq = 0
@@ -128,9 +140,10 @@ class FakeEngine:
 class Subscriber:
     """A router's view of the publish feed."""
 
-    def __init__(self, publish_port: int, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, publish_port: int, ctx: zmq.Context | None = None, key: Any = FROM_ENV) -> None:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
+        internal_auth.secure_client(self.sock, _key(key))
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{publish_port}")
