@@ -13,7 +13,7 @@ import copy
 import json
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from kubernetes.utils import parse_quantity
 
@@ -138,3 +138,25 @@ def apply(client: Client, desired: Mapping[str, Any]) -> Outcome:
     if patch is None:
         return Outcome("unchanged", kind, name, live)
     return Outcome("patched", kind, name, client.patch(api_version, kind, namespace, name, patch), patch)
+
+
+def create_once(client: Client, skeleton: Mapping[str, Any], fill: Callable[[], Mapping[str, Any]]) -> Outcome:
+    """Create the object from `fill()` when it is missing, else leave it exactly as it is.
+
+    For objects holding a value made once (a generated key): re-rendering must never replace it,
+    so the live object is not compared with anything. `fill` runs only when a create is due.
+    The outcome's `live` keeps metadata only, so no secret value travels on in results or logs.
+    """
+    api_version, kind, namespace, name = _identity(skeleton)
+    live = client.get(api_version, kind, namespace, name)
+    action = "unchanged"
+    if live is None:
+        try:
+            live = client.create(fill())
+            action = "created"
+        except Conflict:
+            # Created by someone else (another pass, a person) between the read and the write: theirs stands.
+            live = client.get(api_version, kind, namespace, name)
+            if live is None:
+                raise
+    return Outcome(action, kind, name, {"metadata": copy.deepcopy(live.get("metadata") or {})})

@@ -212,13 +212,13 @@ def write_memory(memory: Mapping[str, PoolMemory]) -> str:
 
 
 def autoscale_once(client: Client, namespace: str, name: str, url_template: str, now: float,
-                   timeout: float = 2.0) -> Decision | None:
+                   timeout: float = 2.0, *, allow_host_path: bool = False) -> Decision | None:
     """Read the load, decide, and write the decision; None when there was nothing to decide on."""
     obj = client.get(crd.API_VERSION, crd.KIND, namespace, name)
     if obj is None or obj["metadata"].get("deletionTimestamp"):
         return None
     try:
-        isvc = parse(obj)
+        isvc = parse(obj, allow_host_path=allow_host_path)
     except InvalidSpec:
         return None  # the reconcile reports it; scaling an unrenderable spec helps nobody
     if not managed_pools(isvc.spec):

@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import yaml
 
 from pdserve.operator import crd
+from pdserve.operator.spec import ALLOW_HOST_PATH_FLAG
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "(default: http://{name}-coordinator.{namespace}.svc:8080/stats)")
     run.add_argument("--liveness", default=None, metavar="URL",
                      help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument(ALLOW_HOST_PATH_FLAG, action="store_true",
+                     help="serve InferenceServices with hostPath volumes (refused by default: they expose "
+                          "the node's filesystem to whoever may create an InferenceService)")
     run.add_argument("--verbose", "-v", action="store_true")
 
     render = sub.add_parser("render", help="print the objects an InferenceService renders to, as YAML")
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
     render.add_argument("--namespace", "-n", default=None,
                         help="namespace for resources that name none (default: 'default')")
+    render.add_argument(ALLOW_HOST_PATH_FLAG, action="store_true",
+                        help="render hostPath volumes, as an operator run with this flag would")
 
     sub.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
 
@@ -56,7 +62,8 @@ def _run_operator(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     config = OperatorConfig(kubeconfig=args.kubeconfig, context=args.context,
                             autoscale_interval=args.autoscale_interval,
-                            stats_url_template=args.stats_url_template or DEFAULT_STATS_URL)
+                            stats_url_template=args.stats_url_template or DEFAULT_STATS_URL,
+                            allow_host_path=args.allow_host_path)
     namespaces = [] if args.all_namespaces else (args.namespace or [_default_namespace()])
     kopf.run(registry=register(config), settings=make_settings(), standalone=True,
              clusterwide=args.all_namespaces, namespaces=namespaces, liveness_endpoint=args.liveness,
@@ -80,7 +87,7 @@ def _render(args: argparse.Namespace, out: TextIO) -> int:
     manifests: list[dict[str, Any]] = []
     for doc in services:
         try:
-            manifests += render(doc, namespace=args.namespace)
+            manifests += render(doc, namespace=args.namespace, allow_host_path=args.allow_host_path)
         except InvalidSpec as error:
             name = (doc.get("metadata") or {}).get("name", "?")
             print(f"pdserve operator render: {crd.KIND} {name} is invalid:", file=sys.stderr)

@@ -14,6 +14,8 @@ from pdserve.operator.names import (COORDINATOR_HTTP_PORT, COORDINATOR_PUBLISH_P
 from pdserve.operator.spec import KV_SHARED_MOUNT, InferenceService
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# A Kubernetes dependent variable: `$(NAME)` in command/args is replaced with the container's env var.
+POD_IP_REFERENCE = "$(POD_IP)"
 
 
 def kv_transfer_config(isvc: InferenceService, role: str) -> dict[str, Any]:
@@ -27,6 +29,9 @@ def kv_transfer_config(isvc: InferenceService, role: str) -> dict[str, Any]:
     elif kv.connector == "p2p" and role == "prefill":
         # The port the pod declares for the KV side channel (rank r of a TP group uses port + r).
         extra["side_channel_port"] = KV_TRANSFER_PORT
+        # The pod IP, expanded by the kubelet from the container's POD_IP (downward API): the side
+        # channel then serves on the pod network only, and decode engines are told exactly that address.
+        extra["side_channel_host"] = POD_IP_REFERENCE
     return {"kv_connector": kv.connector, "kv_role": KV_ROLES[role], "kv_connector_extra_config": extra}
 
 

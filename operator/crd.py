@@ -193,13 +193,25 @@ def _pool(role: str) -> dict[str, Any]:
     }
 
 
+def _host_path() -> dict[str, Any]:
+    # Not refused here: whether hostPath is allowed is the installation's choice (the operator's
+    # --allow-host-path), and a CRD is one for every installation in the cluster.
+    return {"type": "string", "pattern": "^/",
+            "description": "A directory on the node. Refused unless the operator runs with --allow-host-path."}
+
+
+def _label_selector(description: str) -> dict[str, Any]:
+    return {"type": "object", "description": description,
+            "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}}
+
+
 def _volume_source(mount: str) -> dict[str, Any]:
     return {
         "type": "object",
         "description": f"A volume mounted at {mount} in every engine pod.",
         "properties": {
             "claimName": {"type": "string", "minLength": 1},
-            "hostPath": {"type": "string", "pattern": "^/"},
+            "hostPath": _host_path(),
         },
     }
 
@@ -226,7 +238,7 @@ def _spec_schema() -> dict[str, Any]:
                             "readOnly": {"type": "boolean", "default": True},
                         },
                     },
-                    "hostPath": {"type": "string", "pattern": "^/"},
+                    "hostPath": _host_path(),
                 },
             },
             "image": {"type": "string", "minLength": 1, "default": "pdserve:latest"},
@@ -275,6 +287,19 @@ def _spec_schema() -> dict[str, Any]:
                         },
                     },
                     "sharedStorage": _volume_source("/kv-shared"),
+                },
+            },
+            "networkPolicy": {
+                "type": "object",
+                "default": {},
+                "description": "NetworkPolicies limiting who reaches each pod: engines only from the router and "
+                               "each other, coordinator and KV store only from this service's pods, the router "
+                               "from anywhere.",
+                "properties": {
+                    "enabled": {"type": "boolean", "default": True},
+                    "metricsNamespaceSelector": _label_selector(
+                        "Pods in namespaces matching this may scrape the engines' and coordinator's /metrics "
+                        "(e.g. Prometheus). {} matches every namespace; absent: none."),
                 },
             },
             "engine": {

@@ -32,6 +32,7 @@ class OperatorConfig:
     autoscale_interval: float = 15.0
     stats_url_template: str = DEFAULT_STATS_URL  # {namespace}, {name}, {coordinator}
     stats_timeout: float = 2.0
+    allow_host_path: bool = False  # --allow-host-path: serve specs with hostPath volumes
 
 
 def make_settings() -> kopf.OperatorSettings:
@@ -108,7 +109,7 @@ def register(config: OperatorConfig | None = None,
         client = _client(memo, config)
         try:
             with memo.locks(namespace, name):
-                result = reconcile(client, namespace, name, _now(), uid)
+                result = reconcile(client, namespace, name, _now(), uid, allow_host_path=config.allow_host_path)
         except ApiError as error:
             raise kopf.TemporaryError(str(error), delay=5) from error
         _report(result, body, logger)
@@ -120,7 +121,8 @@ def register(config: OperatorConfig | None = None,
             return
         namespace, name, _ = owner
         with memo.locks(namespace, name):
-            outcome = deployment_changed(_client(memo, config), body, type == "DELETED", _now())
+            outcome = deployment_changed(_client(memo, config), body, type == "DELETED", _now(),
+                                         allow_host_path=config.allow_host_path)
         if isinstance(outcome, Result) and outcome.changes:
             logger.info("deployment %s had drifted from %s/%s: %s", body["metadata"]["name"], namespace, name,
                         ", ".join(outcome.changes))
@@ -131,7 +133,7 @@ def register(config: OperatorConfig | None = None,
     @kopf.timer(*ISVC, interval=config.autoscale_interval, when=autoscaled, registry=registry)
     def autoscale(namespace: str, name: str, body: Any, memo: kopf.Memo, **_: Any) -> None:
         decision = autoscale_once(_client(memo, config), namespace, name, config.stats_url_template, time.time(),
-                                  config.stats_timeout)
+                                  config.stats_timeout, allow_host_path=config.allow_host_path)
         if decision is not None and decision.scaled:
             kopf.info(body, reason="Autoscaled", message="; ".join(decision.reasons))
 

@@ -25,6 +25,8 @@ from pdserve.operator import crd
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("v1", "Service"): "services",
     ("apps/v1", "Deployment"): "deployments",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",

@@ -25,6 +25,9 @@ COORDINATOR_PUBLISH_PORT = 5558
 COORDINATOR_HTTP_PORT = 8080
 KVSTORE_PORT = 5700
 
+# The operator's own pods (charts/pdserve): the coordinator lets them read its load for autoscaling.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdserve-operator"}
+
 
 @dataclass(frozen=True)
 class Names:
@@ -45,9 +48,20 @@ class Names:
     def engine_config(self) -> str:
         return f"{self.instance}-engine"
 
+    @property
+    def internal_key_secret(self) -> str:
+        return f"{self.instance}-internal-key"
+
+    def network_policy(self, role: str) -> str:
+        return f"{self.instance}-{role}"
+
+    def instance_selector(self) -> dict[str, str]:
+        """Every pod of this InferenceService (and of no other: the instance label is its name)."""
+        return {"app.kubernetes.io/name": APP_NAME, INSTANCE_LABEL: self.instance}
+
     def selector(self, role: str) -> dict[str, str]:
         """Deployment selectors are immutable: only labels that never change for a role go here."""
-        return {"app.kubernetes.io/name": APP_NAME, INSTANCE_LABEL: self.instance, ROLE_LABEL: role}
+        return {**self.instance_selector(), ROLE_LABEL: role}
 
     def selector_string(self, role: str) -> str:
         return ",".join(f"{k}={v}" for k, v in sorted(self.selector(role).items()))

@@ -12,11 +12,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pdserve.engine.internal_auth import generate_key
 from pdserve.operator import crd
-from pdserve.operator.apply import Client, Outcome, apply, plan
+from pdserve.operator.apply import Client, Outcome, apply, create_once, plan
 from pdserve.operator.kube import ApiError
 from pdserve.operator.names import ROLES, Names
-from pdserve.operator.render import optional_objects, render_service
+from pdserve.operator.render import internal_key_secret, optional_objects, render_service
 from pdserve.operator.spec import InferenceService, InvalidSpec, parse
 from pdserve.operator.status import compute_status, invalid_status, status_patch
 
@@ -75,13 +76,37 @@ def _write_status(client: Client, obj: Mapping[str, Any], patch: Mapping[str, An
         log.info("%s/%s was deleted before its status could be written", meta.get("namespace"), meta["name"])
 
 
-def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: str | None = None) -> Result | None:
+def _ensure_internal_key(client: Client, isvc: InferenceService, skeleton: Mapping[str, Any]) -> Outcome:
+    """The internal key: made here, once. A Secret that exists (ours, or one a person made with
+    their own key before creating the resource) keeps its data, or running pods would lose the key
+    they share."""
+    outcome = create_once(client, skeleton, lambda: internal_key_secret(isvc, generate_key()))
+    owner = owner_of(outcome.live)
+    if owner is None or isvc.uid is None or owner[2] in (None, isvc.uid):
+        return outcome
+    # Made for an earlier resource of this name, deleted and created again before the garbage
+    # collector came: adopt it (its key unchanged), or the collector deletes it under the new pods.
+    meta = skeleton["metadata"]
+    live = client.patch("v1", "Secret", isvc.namespace, meta["name"],
+                        {"metadata": {"ownerReferences": meta["ownerReferences"]}})
+    return Outcome("patched", "Secret", meta["name"], {"metadata": live.get("metadata") or {}})
+
+
+def _apply_rendered(client: Client, isvc: InferenceService, manifest: Mapping[str, Any]) -> Outcome:
+    if manifest["kind"] == "Secret":
+        return _ensure_internal_key(client, isvc, manifest)
+    return apply(client, manifest)
+
+
+def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: str | None = None, *,
+              allow_host_path: bool = False) -> Result | None:
     """Bring the cluster to what the InferenceService renders, then write its status.
 
     The resource is read afresh rather than taken from the triggering event: a status written
     since then by a refresh must be the baseline, or an identical status would be written again.
     Returns None when the resource is gone or being deleted (owner references clean up), or when
-    `uid` names an older resource than the one now under that name.
+    `uid` names an older resource than the one now under that name. hostPath volumes make the spec
+    invalid unless `allow_host_path` (the operator's --allow-host-path).
     """
     obj = client.get(crd.API_VERSION, crd.KIND, namespace, name)
     if obj is None or obj["metadata"].get("deletionTimestamp"):
@@ -92,7 +117,7 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: 
     uid = meta.get("uid")
     previous = obj.get("status") or {}
     try:
-        isvc = parse(obj)
+        isvc = parse(obj, allow_host_path=allow_host_path)
     except InvalidSpec as error:
         # Nothing is applied: a half-rendered service (say, engines without their router) is worse
         # than the previous, consistent one, which keeps running.
@@ -103,7 +128,7 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: 
             _write_status(client, obj, patch)
         return Result([], patch, invalid=str(error))
 
-    outcomes = [apply(client, manifest) for manifest in render_service(isvc)]
+    outcomes = [_apply_rendered(client, isvc, manifest) for manifest in render_service(isvc)]
     deleted = []
     for api_version, kind, stale_name in optional_objects(isvc):
         stale = client.get(api_version, kind, namespace, stale_name)
@@ -136,7 +161,7 @@ def owner_of(obj: Mapping[str, Any]) -> tuple[str, str, str] | None:
 
 
 def deployment_changed(client: Client, deployment: Mapping[str, Any], deleted: bool,
-                       now: dt.datetime) -> Result | dict[str, Any] | None:
+                       now: dt.datetime, *, allow_host_path: bool = False) -> Result | dict[str, Any] | None:
     """React to a watch event of a Deployment the operator made.
 
     Usually only readiness changed, and the owner's status is recomputed. When the Deployment was
@@ -153,12 +178,12 @@ def deployment_changed(client: Client, deployment: Mapping[str, Any], deleted: b
     if uid is not None and obj["metadata"].get("uid") not in (None, uid):
         return None  # it belonged to an earlier resource of the same name
     try:
-        isvc = parse(obj)
+        isvc = parse(obj, allow_host_path=allow_host_path)
     except InvalidSpec:
         return None  # the reconcile has reported it; nothing here may change anything
     name_of_deployment = deployment["metadata"]["name"]
     desired = next((m for m in render_service(isvc)
                     if m["kind"] == "Deployment" and m["metadata"]["name"] == name_of_deployment), None)
     if deleted or desired is None or plan(desired, deployment) is not None:
-        return reconcile(client, namespace, name, now, uid)
+        return reconcile(client, namespace, name, now, uid, allow_host_path=allow_host_path)
     return _refresh(client, obj, isvc, live_deployments(client, namespace, name, isvc.uid), now)

@@ -6,12 +6,15 @@ so reviewing the rendered YAML is reviewing what the cluster will get.
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Mapping
 
+from pdserve.engine.internal_auth import ENV_KEY_FILE
 from pdserve.operator import commands, crd
 from pdserve.operator.names import (COORDINATOR_HTTP_PORT, COORDINATOR_PUBLISH_PORT, COORDINATOR_STATS_PORT,
-                                    ENGINE_PORT, KV_TRANSFER_PORT, KVSTORE_PORT, Names)
+                                    ENGINE_PORT, ENGINE_ROLES, KV_TRANSFER_PORT, KVSTORE_PORT, OPERATOR_POD_LABELS,
+                                    ROLES, Names)
 from pdserve.operator.spec import (GPU_RESOURCE, KV_SHARED_MOUNT, MODEL_MOUNT, InferenceService, Pool,
                                    VolumeSource, parse)
 
@@ -33,16 +36,30 @@ SUPPORT_GRACE_SECONDS = 30
 
 COORDINATOR_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
 
+# The internal key reaches every pod as a file of a read-only Secret volume, named by
+# $PDSERVE_INTERNAL_KEY_FILE (which every pdserve command reads; no flag needed). A file rather than
+# an env var with secretKeyRef: the value then never sits in the process environment, which every
+# child inherits (compilers, tokenizer workers, a debugging shell's `env`) and which shows up in
+# /proc/PID/environ, crash reports and environment dumps; only the file's path does.
+INTERNAL_KEY_DATA_KEY = "key"
+INTERNAL_KEY_DIR = "/var/run/secrets/pdserve.io/internal-key"
+INTERNAL_KEY_PATH = f"{INTERNAL_KEY_DIR}/{INTERNAL_KEY_DATA_KEY}"
+INTERNAL_KEY_VOLUME = "internal-key"
+# Owner and the pod's fsGroup (the image's user, which the kubelet gives the files) may read; no one may write.
+INTERNAL_KEY_MODE = 0o440
 
-def render(obj: Mapping[str, Any], namespace: str | None = None) -> list[Manifest]:
+
+def render(obj: Mapping[str, Any], namespace: str | None = None, *, allow_host_path: bool = False) -> list[Manifest]:
     """Render a raw InferenceService (defaults applied here); raises spec.InvalidSpec."""
-    return render_service(parse(obj, namespace))
+    return render_service(parse(obj, namespace, allow_host_path=allow_host_path))
 
 
 def render_service(isvc: InferenceService) -> list[Manifest]:
     names = Names(isvc.name)
     kvstore = isvc.spec.kv_transfer.connector == "kvstore"
     manifests = [
+        # First: the pods below mount it.
+        internal_key_secret(isvc),
         *_router_rbac(isvc, names),
         _engine_config(isvc, names),
         _service(isvc, names, "coordinator", [("stats", COORDINATOR_STATS_PORT), ("publish", COORDINATOR_PUBLISH_PORT),
@@ -56,6 +73,7 @@ def render_service(isvc: InferenceService) -> list[Manifest]:
         _engine(isvc, names, isvc.spec.prefill),
         _engine(isvc, names, isvc.spec.decode),
         _router(isvc, names),
+        *(network_policies(isvc, names) if isvc.spec.network_policy.enabled else []),
     ]
     return manifests
 
@@ -66,10 +84,17 @@ def optional_objects(isvc: InferenceService) -> list[tuple[str, str, str]]:
     They are left over from an earlier spec (the KV store after switching connectors) and the
     operator deletes them; owner references alone would keep them until the resource is deleted.
     """
-    if isvc.spec.kv_transfer.connector == "kvstore":
-        return []
     names = Names(isvc.name)
-    return [("apps/v1", "Deployment", names.deployment("kvstore")), ("v1", "Service", names.service("kvstore"))]
+    stale = []
+    if isvc.spec.kv_transfer.connector != "kvstore":
+        stale += [("apps/v1", "Deployment", names.deployment("kvstore")), ("v1", "Service", names.service("kvstore"))]
+    if isvc.spec.network_policy.enabled:
+        rendered = {m["metadata"]["name"] for m in network_policies(isvc, names)}
+    else:
+        rendered = set()
+    stale += [(NETWORK_POLICY_API, "NetworkPolicy", names.network_policy(role)) for role in ROLES
+              if names.network_policy(role) not in rendered]
+    return stale
 
 
 # --- metadata ----------------------------------------------------------------------------------------
@@ -86,6 +111,94 @@ def _metadata(isvc: InferenceService, name: str, component: str) -> dict[str, An
     if isvc.uid:
         meta["ownerReferences"] = [owner_reference(isvc)]
     return meta
+
+
+# --- the internal key --------------------------------------------------------------------------------
+
+def internal_key_secret(isvc: InferenceService, key: str | None = None) -> Manifest:
+    """The Secret holding the deployment's internal key; without `key`, its skeleton (no data).
+
+    Rendering stays pure and never makes a key: the operator fills one in when it creates the Secret
+    and never writes the data again (reconcile.py), so re-rendering cannot rotate the key under
+    running pods. `pdserve operator render` shows the skeleton.
+    """
+    secret: Manifest = {"apiVersion": "v1", "kind": "Secret",
+                        "metadata": _metadata(isvc, Names(isvc.name).internal_key_secret, "internal-key"),
+                        "type": "Opaque"}
+    if key is not None:
+        secret["data"] = {INTERNAL_KEY_DATA_KEY: base64.b64encode(key.encode()).decode()}
+    return secret
+
+
+def _internal_key_volume(isvc: InferenceService) -> dict[str, Any]:
+    return {"name": INTERNAL_KEY_VOLUME, "secret": {
+        "secretName": Names(isvc.name).internal_key_secret, "defaultMode": INTERNAL_KEY_MODE,
+        "items": [{"key": INTERNAL_KEY_DATA_KEY, "path": INTERNAL_KEY_DATA_KEY}]}}
+
+
+# --- NetworkPolicies ----------------------------------------------------------------------------------
+
+NETWORK_POLICY_API = "networking.k8s.io/v1"
+
+
+def _tcp(port: int, last: int | None = None) -> dict[str, Any]:
+    port_spec: dict[str, Any] = {"protocol": "TCP", "port": port}
+    if last is not None and last > port:
+        port_spec["endPort"] = last
+    return port_spec
+
+
+def _pods(labels: Mapping[str, str]) -> dict[str, Any]:
+    # A podSelector without a namespaceSelector: pods of the policy's own namespace only.
+    return {"podSelector": {"matchLabels": dict(labels)}}
+
+
+def _network_policy(isvc: InferenceService, names: Names, role: str,
+                    ingress: list[dict[str, Any]]) -> Manifest:
+    return {"apiVersion": NETWORK_POLICY_API, "kind": "NetworkPolicy",
+            "metadata": _metadata(isvc, names.network_policy(role), role),
+            # Ingress only: egress (to the API server, model registries, DNS) is the cluster's business.
+            "spec": {"podSelector": {"matchLabels": names.selector(role)}, "policyTypes": ["Ingress"],
+                     "ingress": ingress}}
+
+
+def network_policies(isvc: InferenceService, names: Names) -> list[Manifest]:
+    """Who may reach each pod. Kubelet probes come from the node and are not subject to these.
+
+    Engines: the HTTP port from the routers and their peer engines; the KV side channel from peer
+    engines only. Coordinator and KV store: their ports from this service's pods. Router: its port
+    from anywhere (it is the public edge). Optionally metrics from the namespaces the spec names.
+    The internal key still authenticates every hop; these keep strangers from reaching the
+    endpoints at all.
+    """
+    spec = isvc.spec
+    instance = _pods(names.instance_selector())
+    engines = [_pods(names.selector(role)) for role in ENGINE_ROLES]
+    metrics = spec.network_policy.metrics_namespace_selector
+    scrapers = [] if metrics is None else [{"namespaceSelector": metrics}]
+    policies = []
+    for pool in (spec.prefill, spec.decode):
+        ingress = [{"from": [_pods(names.selector("router")), *engines], "ports": [_tcp(ENGINE_PORT)]}]
+        side_port = commands.kv_transfer_config(isvc, pool.role)["kv_connector_extra_config"].get("side_channel_port")
+        if side_port:
+            # One port per worker: DP rank d's TP rank r listens on port + d * TP + r. (NIXL's UCX data
+            # plane over RDMA is not IP traffic; over TCP it would need its own ports opened.)
+            ingress.append({"from": engines, "ports": [_tcp(side_port, side_port + pool.gpus_per_pod - 1)]})
+        if scrapers:
+            ingress.append({"from": scrapers, "ports": [_tcp(ENGINE_PORT)]})
+        policies.append(_network_policy(isvc, names, pool.role, ingress))
+    policies.append(_network_policy(isvc, names, "router", [{"ports": [_tcp(spec.router.port)]}]))
+    coordinator = [
+        {"from": [instance], "ports": [_tcp(port) for port in (COORDINATOR_STATS_PORT, COORDINATOR_PUBLISH_PORT,
+                                                               COORDINATOR_HTTP_PORT)]},
+        # The operator's autoscaler reads /stats from wherever the operator is installed.
+        {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}, *scrapers],
+         "ports": [_tcp(COORDINATOR_HTTP_PORT)]},
+    ]
+    policies.append(_network_policy(isvc, names, "coordinator", coordinator))
+    if spec.kv_transfer.connector == "kvstore":
+        policies.append(_network_policy(isvc, names, "kvstore", [{"from": [instance], "ports": [_tcp(KVSTORE_PORT)]}]))
+    return policies
 
 
 # --- RBAC for the router's endpoint discovery ---------------------------------------------------------
@@ -186,8 +299,10 @@ def _container(isvc: InferenceService, role: str, argv: list[str], ports: list[t
         "args": argv[1:],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in ports],
         # HOME on the writable /tmp: torch, triton and tokenizers write caches under it.
-        "env": [*_downward_env(), {"name": "HOME", "value": "/tmp"}, *env],
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+        "env": [*_downward_env(), {"name": "HOME", "value": "/tmp"},
+                {"name": ENV_KEY_FILE, "value": INTERNAL_KEY_PATH}, *env],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": INTERNAL_KEY_VOLUME, "mountPath": INTERNAL_KEY_DIR, "readOnly": True}, *mounts],
         **probes,
         "lifecycle": _pre_stop(pre_stop_seconds),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -209,7 +324,7 @@ def _pod_template(isvc: InferenceService, names: Names, role: str, container: di
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
         "terminationGracePeriodSeconds": grace_seconds,
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, *(volumes or [])],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, _internal_key_volume(isvc), *(volumes or [])],
     }
     if service_account is not None:
         spec["serviceAccountName"] = service_account

@@ -130,6 +130,13 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class NetworkPolicy:
+    enabled: bool
+    # Namespaces whose pods may scrape /metrics on the engines and the coordinator; None: none.
+    metrics_namespace_selector: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class PDRatio:
     prefill: int
     decode: int
@@ -153,6 +160,7 @@ class InferenceServiceSpec:
     router: Router
     kv_transfer: KVTransfer
     engine: Engine
+    network_policy: NetworkPolicy
 
     def pool(self, role: str) -> Pool:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -211,6 +219,7 @@ def _spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     secret = router.get("apiKeySecret")
     shared = kv.get("sharedStorage")
     ratio = raw.get("pdRatio")
+    policy = raw["networkPolicy"]
     return InferenceServiceSpec(
         model=Model(
             name=model["name"],
@@ -245,6 +254,11 @@ def _spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             max_num_seqs=engine["maxNumSeqs"],
             enable_prefix_caching=engine["enablePrefixCaching"],
             extra_args=tuple(engine.get("extraArgs") or ()),
+        ),
+        network_policy=NetworkPolicy(
+            enabled=policy["enabled"],
+            metrics_namespace_selector=(None if policy.get("metricsNamespaceSelector") is None
+                                        else dict(policy["metricsNamespaceSelector"])),
         ),
     )
 
@@ -336,8 +350,38 @@ def _semantic_errors(isvc: InferenceService) -> list[str]:
     return errors
 
 
-def parse(obj: Mapping[str, Any], namespace: str | None = None) -> InferenceService:
-    """Default, validate and type an InferenceService object; raises InvalidSpec."""
+# --- what this operator installation allows ------------------------------------------------------
+
+ALLOW_HOST_PATH_FLAG = "--allow-host-path"
+
+
+def host_paths(isvc: InferenceService) -> list[tuple[str, str]]:
+    """(field, path) of every hostPath volume the spec asks for."""
+    spec = isvc.spec
+    found = []
+    if spec.model.host_path is not None:
+        found.append(("spec.model.hostPath", spec.model.host_path))
+    shared = spec.kv_transfer.shared_storage
+    if spec.kv_transfer.connector == "shared-storage" and shared is not None and shared.host_path is not None:
+        found.append(("spec.kvTransfer.sharedStorage.hostPath", shared.host_path))
+    return found
+
+
+def _host_path_errors(isvc: InferenceService) -> list[str]:
+    # Anyone allowed to create an InferenceService would otherwise get the node's files mounted into
+    # pods the operator creates (its rights, not theirs). The CRD cannot refuse this itself: whether
+    # it is allowed is a choice of the installation, made by the operator's flag.
+    return [f"{where}: hostPath volumes ({path}) are refused: they expose the node's filesystem; use a "
+            f"PVC, or run the operator with {ALLOW_HOST_PATH_FLAG} (chart value allowHostPath: true)"
+            for where, path in host_paths(isvc)]
+
+
+def parse(obj: Mapping[str, Any], namespace: str | None = None, *,
+          allow_host_path: bool = False) -> InferenceService:
+    """Default, validate and type an InferenceService object; raises InvalidSpec.
+
+    hostPath volumes are refused unless `allow_host_path` (the operator's --allow-host-path).
+    """
     obj = defaulted(dict(obj))
     errors = schema_errors(obj)
     if errors:
@@ -355,6 +399,8 @@ def parse(obj: Mapping[str, Any], namespace: str | None = None) -> InferenceServ
     for check in CEL_TWINS.values():
         errors += check(isvc)
     errors += _semantic_errors(isvc)
+    if not allow_host_path:
+        errors += _host_path_errors(isvc)
     if errors:
         raise InvalidSpec(errors)
     return isvc

@@ -43,6 +43,8 @@ KINDS: dict[str, tuple[km.resource, str]] = {
     "Role": (km.resource("rbac.authorization.k8s.io", "v1", "roles"), "/apis/rbac.authorization.k8s.io/v1"),
     "RoleBinding": (km.resource("rbac.authorization.k8s.io", "v1", "rolebindings"),
                     "/apis/rbac.authorization.k8s.io/v1"),
+    "Secret": (km.resource("", "v1", "secrets"), "/api/v1"),
+    "NetworkPolicy": (km.resource("networking.k8s.io", "v1", "networkpolicies"), "/apis/networking.k8s.io/v1"),
 }
 
 

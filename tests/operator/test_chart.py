@@ -13,7 +13,8 @@ from pdserve.operator.render import RUN_AS_USER, render
 # Resource and API group of every kind the renderer produces.
 RENDERED = {"Deployment": ("apps", "deployments"), "Service": ("", "services"), "ConfigMap": ("", "configmaps"),
             "ServiceAccount": ("", "serviceaccounts"), "Role": ("rbac.authorization.k8s.io", "roles"),
-            "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings")}
+            "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "Secret": ("", "secrets"),
+            "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
 
 
 def kinds(manifests: list[dict]) -> dict[str, list[dict]]:
@@ -114,7 +115,10 @@ def test_rbac_covers_everything_the_operator_renders_and_grants(chart_rbac, spec
     for group, resource, verb in [("pdserve.io", "inferenceservices", "watch"), ("pdserve.io", "inferenceservices",
                                   "patch"), ("pdserve.io", "inferenceservices/status", "patch"),
                                   ("apps", "deployments", "watch"), ("apps", "deployments", "delete"),
-                                  ("", "services", "delete"), ("", "events", "create")]:
+                                  ("", "services", "delete"), ("", "events", "create"),
+                                  ("networking.k8s.io", "networkpolicies", "delete"),
+                                  # ownerReferences with blockOwnerDeletion under OwnerReferencesPermissionEnforcement
+                                  ("pdserve.io", "inferenceservices/finalizers", "update")]:
         assert chart_rbac(group, resource, verb)
 
 
@@ -122,11 +126,31 @@ def test_rbac_grants_nothing_beyond_its_job(helm):
     role = next(m for m in helm.manifests() if m["kind"] == "ClusterRole")
     granted = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     allowed = {("pdserve.io", "inferenceservices"), ("pdserve.io", "inferenceservices/status"),
-               ("discovery.k8s.io", "endpointslices"), ("", "events"), *RENDERED.values()}
+               ("pdserve.io", "inferenceservices/finalizers"), ("discovery.k8s.io", "endpointslices"),
+               ("", "events"), *RENDERED.values()}
     assert granted <= allowed
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in role["rules"])
-    secrets = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
-    assert not secrets  # the router reads its API key through the pod spec, never through the operator
+    # Secrets: only the internal keys it creates, read by name. No list/watch: that would read every
+    # Secret of a namespace, the router's API keys among them.
+    secrets = {verb for rule in role["rules"] if "secrets" in rule["resources"] for verb in rule["verbs"]}
+    assert secrets == {"get", "create", "patch"}
+    finalizers = [rule for rule in role["rules"] if "inferenceservices/finalizers" in rule["resources"]]
+    assert [rule["verbs"] for rule in finalizers] == [["update"]]
+
+
+def test_host_paths_are_allowed_only_by_the_chart_value(helm):
+    args = operator_container(helm.manifests())["args"]
+    assert not build_parser(args).parse_args(args).allow_host_path
+    args = operator_container(helm.manifests({"allowHostPath": True}))["args"]
+    assert build_parser(args).parse_args(args).allow_host_path
+
+
+def test_the_coordinator_policy_admits_the_charts_operator_pods(helm):
+    """The autoscaler reads each coordinator's /stats from the operator's pod: its labels must match."""
+    from pdserve.operator.names import OPERATOR_POD_LABELS
+
+    pod_labels = kinds(helm.manifests())["Deployment"][0]["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_POD_LABELS.items() <= pod_labels.items()
 
 
 def test_the_template_stand_in_refuses_what_it_does_not_understand(helm):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+
+from pdserve.engine.internal_auth import ENV_KEY_FILE, load_internal_key
 from pdserve.operator import crd
 from pdserve.operator.apply import LAST_APPLIED, matches
 from pdserve.operator.render import render
@@ -25,7 +28,7 @@ async def test_create_makes_every_object_with_replicas_and_owner(cluster, make_i
 
     expected = render(isvc)
     assert {m["kind"] for m in expected} == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service",
-                                             "Deployment"}
+                                             "Deployment", "Secret", "NetworkPolicy"}
     for manifest in expected:
         live = cluster.get(manifest["kind"], manifest["metadata"]["name"])
         assert live is not None, f"{manifest['kind']}/{manifest['metadata']['name']} was not created"
@@ -50,7 +53,8 @@ async def test_create_makes_every_object_with_replicas_and_owner(cluster, make_i
 
 
 KIND_PLURALS = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
-                "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments"}
+                "ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments", "Secret": "secrets",
+                "NetworkPolicy": "networkpolicies"}
 
 
 async def test_changing_decode_replicas_patches_only_the_decode_deployment(cluster, make_isvc):
@@ -237,3 +241,93 @@ async def test_every_request_is_allowed_by_the_chart_rbac(cluster, make_isvc, ch
             ("apps", "deployments", "watch")} <= seen
     missing = {needed for needed in seen if not chart_rbac(*needed)}
     assert not missing, f"the chart's ClusterRole does not allow: {sorted(missing)}"
+
+
+def internal_key(cluster) -> bytes:
+    return base64.b64decode(cluster.get("Secret", "demo-internal-key")["data"]["key"])
+
+
+async def test_the_internal_key_is_made_once_and_kept(cluster, make_isvc, tmp_path):
+    async with cluster.operator():
+        await cluster.create(make_isvc())
+        await cluster.wait_for(lambda: status_of(cluster).get("phase"), "the first status")
+        await cluster.idle()
+        secret = cluster.get("Secret", "demo-internal-key")
+        assert secret["type"] == "Opaque" and secret["metadata"]["ownerReferences"] == [{
+            "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "demo", "uid": "uid-demo",
+            "controller": True, "blockOwnerDeletion": True}]
+        key = internal_key(cluster)
+        # What the pods get is a key the pdserve processes accept.
+        (tmp_path / "key").write_bytes(key)
+        assert load_internal_key({ENV_KEY_FILE: str(tmp_path / "key")}) == key.strip()
+
+        # Reconciles of a changed spec, and of a hand-deleted Deployment, leave the key alone.
+        runs = cluster.calls("apply_spec")
+        await cluster.patch("InferenceService", "demo", {"spec": {"decode": {"replicas": 2}}})
+        await cluster.settle("apply_spec", runs)
+        await cluster.delete("Deployment", "demo-router")
+        await cluster.wait_for(lambda: cluster.get("Deployment", "demo-router"), "the router restored")
+        await cluster.idle()
+
+    runs = cluster.calls("apply_spec")
+    async with cluster.operator():  # a restarted operator resumes the resource
+        await cluster.settle("apply_spec", runs)
+    assert internal_key(cluster) == key
+    assert [r.method.value for r in cluster.writes("Secret")] == ["POST"]
+
+
+async def test_a_secret_made_beforehand_is_used_as_it_is(cluster, make_isvc):
+    """Someone may bring their own key: a Secret of that name that exists is never written."""
+    own = base64.b64encode(b"their-own-key-of-enough-bytes").decode()
+    await cluster.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                          "metadata": {"name": "demo-internal-key", "namespace": "default", "uid": "uid-secret"},
+                          "data": {"key": own}})
+    async with cluster.operator():
+        await cluster.create(make_isvc())
+        await cluster.wait_for(lambda: status_of(cluster).get("phase"), "the first status")
+        await cluster.idle()
+    assert cluster.get("Secret", "demo-internal-key")["data"] == {"key": own}
+    assert not cluster.writes("Secret")
+    assert cluster.names("Deployment") == {"demo-prefill", "demo-decode", "demo-router", "demo-coordinator"}
+
+
+async def test_host_paths_are_refused_unless_the_operator_allows_them(cluster, make_isvc):
+    host = {"model": {"name": "demo", "hostPath": "/mnt/models"}}
+    async with cluster.operator():
+        await cluster.create(make_isvc(host))
+        await cluster.wait_for(lambda: status_of(cluster).get("conditions"), "a condition")
+        ready = condition(status_of(cluster), "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+        assert "spec.model.hostPath" in ready["message"] and "--allow-host-path" in ready["message"]
+        await cluster.wait_for(lambda: any(r.resource.plural == "events" and "hostPath" in str(r.data)
+                                           for r in cluster.requests("POST")), "a warning event")
+        await cluster.idle()
+    assert [r.resource.plural for r in cluster.writes()] == [crd.PLURAL]  # the status, nothing else
+
+    runs = cluster.calls("apply_spec")
+    async with cluster.operator(allow_host_path=True):
+        await cluster.settle("apply_spec", runs)
+        await cluster.wait_for(lambda: condition(status_of(cluster), "Ready")["reason"] != "InvalidSpec",
+                               "the refusal lifted")
+    volumes = cluster.get("Deployment", "demo-prefill")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in volumes
+
+
+async def test_the_key_of_an_earlier_resource_of_the_same_name_is_adopted(cluster, make_isvc):
+    """Deleted and created again before the garbage collector came: the Secret still points to the
+    old owner and would be collected under the new pods. It is adopted, its key unchanged."""
+    old_key = base64.b64encode(b"the-key-of-the-earlier-resource").decode()
+    await cluster.create({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"key": old_key},
+                          "metadata": {"name": "demo-internal-key", "namespace": "default", "uid": "uid-secret",
+                                       "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                                            "name": "demo", "uid": "uid-earlier",
+                                                            "controller": True, "blockOwnerDeletion": True}]}})
+    async with cluster.operator():
+        await cluster.create(make_isvc())
+        await cluster.wait_for(lambda: status_of(cluster).get("phase"), "the first status")
+        await cluster.idle()
+    secret = cluster.get("Secret", "demo-internal-key")
+    assert secret["data"] == {"key": old_key}
+    assert [ref["uid"] for ref in secret["metadata"]["ownerReferences"]] == ["uid-demo"]
+    assert [r.method.value for r in cluster.writes("Secret")] == ["PATCH"]
+    assert set(cluster.writes("Secret")[0].data["metadata"]) == {"ownerReferences"}

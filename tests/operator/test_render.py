@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 
@@ -10,8 +11,12 @@ import pytest
 import yaml
 
 from pdserve.cli import main as pdserve_main
+from pdserve.engine.internal_auth import ENV_KEY, ENV_KEY_FILE, generate_key, load_internal_key
 from pdserve.operator import crd
-from pdserve.operator.render import (ENGINE_GRACE_SECONDS, ENGINE_PRESTOP_SECONDS, RUN_AS_USER, render)
+from pdserve.operator.names import Names
+from pdserve.operator.render import (ENGINE_GRACE_SECONDS, ENGINE_PRESTOP_SECONDS, RUN_AS_USER,
+                                     internal_key_secret, optional_objects, render)
+from pdserve.operator.spec import InvalidSpec, parse
 
 LABEL_KEYS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
               "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of"}
@@ -58,7 +63,16 @@ SPECS = {
         router={"serviceType": "LoadBalancer"}, image="registry.example/pdserve:0.1",
         imagePullPolicy="Always", imagePullSecrets=["registry-creds"]),
     "prefill scaled to zero": isvc(prefill={"replicas": 0}),
+    "metrics scraped from a namespace": isvc(
+        kvTransfer={"connector": "kvstore"},
+        networkPolicy={"metricsNamespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}),
+    "network policies off": isvc(networkPolicy={"enabled": False}),
 }
+
+
+def render_case(name: str) -> list[dict]:
+    # The table is about rendering; the refusal of hostPath without the flag is tested on its own.
+    return render(SPECS[name], allow_host_path=True)
 
 
 def by_kind(manifests: list[dict], kind: str) -> dict[str, dict]:
@@ -75,7 +89,7 @@ def flag(args: list[str], name: str) -> str:
 
 @pytest.mark.parametrize("case", SPECS)
 def test_every_manifest_is_valid_kubernetes(case):
-    manifests = render(SPECS[case])
+    manifests = render_case(case)
     for manifest in manifests:
         kubernetes_validate.validate(manifest, "1.32", strict=True)
     names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
@@ -84,7 +98,7 @@ def test_every_manifest_is_valid_kubernetes(case):
 
 @pytest.mark.parametrize("case", SPECS)
 def test_every_object_is_labelled_owned_and_namespaced(case):
-    for manifest in render(SPECS[case]):
+    for manifest in render_case(case):
         meta = manifest["metadata"]
         assert meta["namespace"] == "serving"
         assert len(meta["name"]) <= 63
@@ -98,7 +112,7 @@ def test_every_object_is_labelled_owned_and_namespaced(case):
 
 @pytest.mark.parametrize("case", SPECS)
 def test_pods_are_wired_consistently(case):
-    manifests = render(SPECS[case])
+    manifests = render_case(case)
     deployments = by_kind(manifests, "Deployment")
     for name, deployment in deployments.items():
         template = deployment["spec"]["template"]
@@ -131,7 +145,7 @@ def test_pods_are_wired_consistently(case):
 
 
 def test_engine_command_lines():
-    manifests = render(SPECS["defaults"])
+    manifests = render_case("defaults")
     deployments = by_kind(manifests, "Deployment")
     prefill = container(deployments["llama-prefill"])
     assert prefill["command"] == ["pdserve"]
@@ -140,7 +154,8 @@ def test_engine_command_lines():
         "--port", "8000", "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--max-model-len", "4096",
         "--block-size", "16", "--max-num-seqs", "256", "--enable-prefix-caching", "--engine-role", "prefill",
         "--kv-transfer-config",
-        '{"kv_connector":"p2p","kv_connector_extra_config":{"side_channel_port":5600},"kv_role":"kv_producer"}',
+        '{"kv_connector":"p2p","kv_connector_extra_config":{"side_channel_host":"$(POD_IP)","side_channel_port":5600},'
+        '"kv_role":"kv_producer"}',
         "--coordinator-address", "llama-coordinator:5557",
     ]
     decode = container(deployments["llama-decode"])["args"]
@@ -155,7 +170,7 @@ def test_engine_command_lines_are_accepted_by_pdserve_serve(name):
     """The operator spells the engine's flags out by hand; the real CLI parser must take them."""
     from pdserve.cli import build_parser
 
-    deployments = by_kind(render(SPECS[name]), "Deployment")
+    deployments = by_kind(render_case(name), "Deployment")
     for role in ("prefill", "decode"):
         args = container(deployments[f"llama-{role}"])["args"]
         parsed = build_parser(args).parse_args(args)
@@ -169,7 +184,7 @@ def test_engine_command_lines_are_accepted_by_pdserve_serve(name):
 
 
 def test_engine_settings_and_extra_args():
-    deployments = by_kind(render(SPECS["model and KV files on PVCs, API key, extras"]), "Deployment")
+    deployments = by_kind(render_case("model and KV files on PVCs, API key, extras"), "Deployment")
     args = container(deployments["llama-decode"])["args"]
     assert flag(args, "--model") == "/models/llama-3-8b-instruct"
     assert (flag(args, "--max-model-len"), flag(args, "--block-size"), flag(args, "--max-num-seqs")) == (
@@ -193,7 +208,7 @@ def test_engine_settings_and_extra_args():
 
 
 def test_host_path_volumes_and_images():
-    deployments = by_kind(render(SPECS["host paths, load balancer, pull secrets"]), "Deployment")
+    deployments = by_kind(render_case("host paths, load balancer, pull secrets"), "Deployment")
     pod = deployments["llama-prefill"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["model"]["hostPath"] == {"path": "/mnt/models", "type": "Directory"}
@@ -207,7 +222,7 @@ def test_host_path_volumes_and_images():
 
 
 def test_engines_get_shared_memory_gpus_and_graceful_shutdown():
-    deployments = by_kind(render(SPECS["tensor and data parallel on GPUs"]), "Deployment")
+    deployments = by_kind(render_case("tensor and data parallel on GPUs"), "Deployment")
     for role, gpus in (("prefill", "4"), ("decode", "2")):
         deployment = deployments[f"llama-{role}"]
         pod = deployment["spec"]["template"]["spec"]
@@ -222,7 +237,7 @@ def test_engines_get_shared_memory_gpus_and_graceful_shutdown():
     assert flag(container(deployments["llama-prefill"])["args"], "--data-parallel-size") == "2"
     assert container(deployments["llama-decode"])["resources"]["requests"] == {"cpu": "8", "memory": "64Gi"}
     # Without gpu: true (or a count in resources) no GPU is requested.
-    defaults = by_kind(render(SPECS["defaults"]), "Deployment")
+    defaults = by_kind(render_case("defaults"), "Deployment")
     assert "resources" not in container(defaults["llama-decode"])
 
 
@@ -233,7 +248,7 @@ def test_a_gpu_count_in_resources_wins():
 
 
 def test_node_selectors_and_tolerations_go_to_their_pool_only():
-    deployments = by_kind(render(SPECS["node selectors and tolerations"]), "Deployment")
+    deployments = by_kind(render_case("node selectors and tolerations"), "Deployment")
     prefill = deployments["llama-prefill"]["spec"]["template"]["spec"]
     decode = deployments["llama-decode"]["spec"]["template"]["spec"]
     assert prefill["nodeSelector"] == {"gpu.nvidia.com/class": "H100"}
@@ -244,7 +259,7 @@ def test_node_selectors_and_tolerations_go_to_their_pool_only():
 
 
 def test_kv_store_only_for_its_connector():
-    manifests = render(SPECS["kvstore connector"])
+    manifests = render_case("kvstore connector")
     deployments = by_kind(manifests, "Deployment")
     kvstore = deployments["llama-kvstore"]
     assert container(kvstore)["args"] == ["kvstore", "--host", "0.0.0.0", "--port", "5700",
@@ -256,11 +271,11 @@ def test_kv_store_only_for_its_connector():
     config = json.loads(flag(container(deployments["llama-prefill"])["args"], "--kv-transfer-config"))
     assert config["kv_connector_extra_config"] == {"kvstore_url": "tcp://llama-kvstore:5700"}
     for case in ("defaults", "model and KV files on PVCs, API key, extras"):
-        assert "llama-kvstore" not in by_kind(render(SPECS[case]), "Deployment")
+        assert "llama-kvstore" not in by_kind(render_case(case), "Deployment")
 
 
 def test_router_discovers_engines_through_its_own_account():
-    manifests = render(SPECS["model and KV files on PVCs, API key, extras"])
+    manifests = render_case("model and KV files on PVCs, API key, extras")
     router = by_kind(manifests, "Deployment")["llama-router"]
     assert container(router)["args"] == [
         "router", "--host", "0.0.0.0", "--port", "9000", "--model", "llama-3-8b", "--prefill-service",
@@ -284,7 +299,7 @@ def test_router_discovers_engines_through_its_own_account():
 
 
 def test_services():
-    services = by_kind(render(SPECS["host paths, load balancer, pull secrets"]), "Service")
+    services = by_kind(render_case("host paths, load balancer, pull secrets"), "Service")
     for role in ("prefill", "decode"):
         assert services[f"llama-{role}"]["spec"]["clusterIP"] == "None"  # headless: the router sees each pod
     assert services["llama-router"]["spec"]["type"] == "LoadBalancer"
@@ -292,13 +307,13 @@ def test_services():
                                                          "protocol": "TCP"}]
     assert {p["name"]: p["port"] for p in services["llama-coordinator"]["spec"]["ports"]} == {
         "stats": 5557, "publish": 5558, "http": 8080}
-    coordinator = container(by_kind(render(SPECS["defaults"]), "Deployment")["llama-coordinator"])
+    coordinator = container(by_kind(render_case("defaults"), "Deployment")["llama-coordinator"])
     assert coordinator["args"] == ["coordinator", "--host", "0.0.0.0", "--stats-port", "5557", "--publish-port",
                                    "5558", "--http-port", "8080"]
 
 
 def test_engine_settings_config_map():
-    config = by_kind(render(SPECS["tensor and data parallel on GPUs"]), "ConfigMap")["llama-engine"]
+    config = by_kind(render_case("tensor and data parallel on GPUs"), "ConfigMap")["llama-engine"]
     settings = json.loads(config["data"]["engine.json"])
     assert settings["model"] == {"name": "llama-3-8b", "path": "/models/llama"}
     assert settings["pools"]["prefill"] == {"tensorParallelSize": 2, "dataParallelSize": 2}
@@ -306,7 +321,7 @@ def test_engine_settings_config_map():
 
 
 def test_replicas_follow_the_spec():
-    deployments = by_kind(render(SPECS["prefill scaled to zero"]), "Deployment")
+    deployments = by_kind(render_case("prefill scaled to zero"), "Deployment")
     assert {n: d["spec"]["replicas"] for n, d in deployments.items()} == {
         "llama-prefill": 0, "llama-decode": 1, "llama-router": 1, "llama-coordinator": 1}
 
@@ -356,3 +371,213 @@ def test_cli_render_explains_an_invalid_resource(capsys, tmp_path):
 def test_cli_crd_prints_the_crd(capsys):
     assert pdserve_main(["operator", "crd"]) == 0
     assert capsys.readouterr().out == crd.crd_yaml()
+
+
+# --- the internal key ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", SPECS)
+def test_every_pod_reads_the_internal_key_from_its_secret(case):
+    manifests = render_case(case)
+    secret = by_kind(manifests, "Secret")["llama-internal-key"]
+    # The skeleton: the operator fills the key in when it creates the Secret, never in rendering.
+    assert secret["type"] == "Opaque" and "data" not in secret and "stringData" not in secret
+    deployments = by_kind(manifests, "Deployment")
+    assert set(deployments) >= {"llama-prefill", "llama-decode", "llama-router", "llama-coordinator"}
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        main = container(deployment)
+        env = {e["name"]: e for e in main["env"]}
+        assert ENV_KEY not in env, f"{name}: the key itself must not be in the pod spec"
+        path = env[ENV_KEY_FILE]["value"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mount = next(m for m in main["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        assert mount["readOnly"] is True
+        source = volumes[mount["name"]]["secret"]
+        assert source["secretName"] == secret["metadata"]["name"]
+        # The file the env names is the Secret's key, projected under the mount.
+        assert {"key": "key", "path": path.removeprefix(mount["mountPath"] + "/")} in source["items"]
+        assert source["defaultMode"] & 0o077 == 0o040  # group (the pod's fsGroup) may read; others nothing
+
+
+def test_a_filled_secret_holds_a_usable_key(tmp_path):
+    key = generate_key()
+    secret = internal_key_secret(parse(isvc()), key)
+    kubernetes_validate.validate(secret, "1.32", strict=True)
+    # What the kubelet writes into the pod's file is the decoded value; the engines must accept it.
+    (tmp_path / "key").write_bytes(base64.b64decode(secret["data"]["key"]))
+    assert load_internal_key({ENV_KEY_FILE: str(tmp_path / "key")}) == key.encode()
+
+
+# --- NetworkPolicies -------------------------------------------------------------------------------
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector against labels, as the API server evaluates it."""
+    if not set(selector) <= {"matchLabels", "matchExpressions"}:
+        raise AssertionError(f"unexpected selector {selector}")
+    if not (selector.get("matchLabels") or {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]:
+            return False
+    return True
+
+
+def admits(policy: dict, port: int, labels: dict, namespace: str = "serving",
+           namespace_labels: dict | None = None) -> bool:
+    """Whether `policy` lets a pod (its labels, in `namespace`) reach `port` on the pods it selects."""
+    namespace_labels = namespace_labels or {"kubernetes.io/metadata.name": namespace}
+    own_namespace = policy["metadata"]["namespace"]
+    for rule in policy["spec"].get("ingress") or []:
+        ports = rule.get("ports")
+        if ports and not any(p["protocol"] == "TCP" and p["port"] <= port <= p.get("endPort", p["port"])
+                             for p in ports):
+            continue
+        peers = rule.get("from")
+        if not peers:
+            return True
+        for peer in peers:
+            assert "ipBlock" not in peer
+            if "namespaceSelector" in peer:
+                in_namespace = selects(peer["namespaceSelector"], namespace_labels)
+            else:
+                in_namespace = namespace == own_namespace
+            if in_namespace and selects(peer.get("podSelector", {}), labels):
+                return True
+    return False
+
+
+def pod_labels(manifests: list[dict]) -> dict[str, dict]:
+    return {role: by_kind(manifests, "Deployment")[f"llama-{role}"]["spec"]["template"]["metadata"]["labels"]
+            for role in ("prefill", "decode", "router", "coordinator", "kvstore")
+            if f"llama-{role}" in by_kind(manifests, "Deployment")}
+
+
+def policy_for(manifests: list[dict], role: str) -> dict:
+    """The one policy selecting the pods of `role`; every pod is selected by exactly one."""
+    labels = pod_labels(manifests)[role]
+    selecting = [p for p in by_kind(manifests, "NetworkPolicy").values() if selects(p["spec"]["podSelector"], labels)]
+    assert len(selecting) == 1, (role, [p["metadata"]["name"] for p in selecting])
+    assert selecting[0]["spec"]["policyTypes"] == ["Ingress"]
+    return selecting[0]
+
+
+# Pods the policies must keep out: the same roles of another InferenceService in the namespace, and
+# an unrelated workload.
+STRANGERS = {"other service's router": Names("other").labels("router"),
+             "other service's prefill": Names("other").labels("prefill"),
+             "unrelated pod": {"app": "web", "pdserve.io/role": "router"}}
+
+
+@pytest.mark.parametrize("case", [c for c in SPECS if c != "network policies off"])
+def test_network_policies_admit_only_their_peers(case):
+    manifests = render_case(case)
+    spec = parse(SPECS[case], allow_host_path=True).spec
+    pods = pod_labels(manifests)
+    for role in pods:
+        policy_for(manifests, role)  # every pod is covered
+    for pool in (spec.prefill, spec.decode):
+        policy = policy_for(manifests, pool.role)
+        for peer in ("router", "prefill", "decode"):
+            assert admits(policy, 8000, pods[peer]), f"{peer} cannot reach {pool.role}'s HTTP port"
+        assert not admits(policy, 8000, pods["coordinator"])  # the coordinator never calls engines
+        for stranger, labels in STRANGERS.items():
+            assert not any(admits(policy, port, labels) for port in (8000, 5600)), stranger
+        # A pod of the same name elsewhere is someone else's.
+        assert not admits(policy, 8000, pods["router"], namespace="elsewhere")
+        p2p_producer = spec.kv_transfer.connector == "p2p" and pool.role == "prefill"
+        kv_ports = range(5600, 5600 + pool.gpus_per_pod)
+        for port in kv_ports:
+            assert admits(policy, port, pods["decode"]) is p2p_producer, (pool.role, port)
+            assert not admits(policy, port, pods["router"]), "the router has no business on the KV side channel"
+        assert not admits(policy, 5600 + pool.gpus_per_pod, pods["decode"])
+
+    router = policy_for(manifests, "router")
+    port = spec.router.port
+    for labels in (*STRANGERS.values(), {}):
+        assert admits(router, port, labels, namespace="anywhere")  # the public edge
+    assert not admits(router, port + 1, {})
+
+    support = {"coordinator": (5557, 5558, 8080), "kvstore": (5700,)}
+    for role, ports in support.items():
+        if role not in pods:
+            continue
+        policy = policy_for(manifests, role)
+        for port in ports:
+            assert all(admits(policy, port, labels) for labels in pods.values()), (role, port)
+            for stranger, labels in STRANGERS.items():
+                assert not admits(policy, port, labels), (role, stranger)
+    # The operator's autoscaler reads the coordinator's /stats from its own namespace, and only that port.
+    coordinator = policy_for(manifests, "coordinator")
+    operator_pod = {"app.kubernetes.io/name": "pdserve-operator", "app.kubernetes.io/instance": "pdserve"}
+    assert admits(coordinator, 8080, operator_pod, namespace="pdserve-system")
+    assert not admits(coordinator, 5557, operator_pod, namespace="pdserve-system")
+
+
+def test_metrics_are_open_only_to_the_namespaces_the_spec_names():
+    manifests = render_case("metrics scraped from a namespace")
+    prometheus = {"app.kubernetes.io/name": "prometheus"}
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    for role, port in (("prefill", 8000), ("decode", 8000), ("coordinator", 8080)):
+        policy = policy_for(manifests, role)
+        assert admits(policy, port, prometheus, namespace="monitoring", namespace_labels=monitoring), role
+        assert not admits(policy, port, prometheus, namespace="default"), role
+    assert not admits(policy_for(manifests, "prefill"), 5600, prometheus, namespace="monitoring",
+                      namespace_labels=monitoring)
+    assert not admits(policy_for(manifests, "kvstore"), 5700, prometheus, namespace="monitoring",
+                      namespace_labels=monitoring)
+    # Without the field, no namespace scrapes the engines.
+    assert not admits(policy_for(render_case("defaults"), "prefill"), 8000, prometheus, namespace="monitoring",
+                      namespace_labels=monitoring)
+
+
+def test_policies_that_are_not_rendered_are_deleted():
+    stale = {name for _, kind, name in optional_objects(parse(SPECS["defaults"])) if kind == "NetworkPolicy"}
+    assert stale == {"llama-kvstore"}  # the KV store's, after a switch away from its connector
+    assert not by_kind(render_case("network policies off"), "NetworkPolicy")
+    off = {name for _, kind, name in optional_objects(parse(SPECS["network policies off"])) if kind == "NetworkPolicy"}
+    assert off == {f"llama-{role}" for role in ("prefill", "decode", "router", "coordinator", "kvstore")}
+    kvstore = parse(SPECS["kvstore connector"])
+    assert not [o for o in optional_objects(kvstore) if o[1] == "NetworkPolicy"]
+
+
+# --- hostPath -------------------------------------------------------------------------------------
+
+def test_host_paths_are_refused_unless_allowed():
+    host_model = isvc(model={"name": "m", "hostPath": "/mnt/models"})
+    with pytest.raises(InvalidSpec) as refused:
+        render(host_model)
+    assert refused.value.messages == [
+        "spec.model.hostPath: hostPath volumes (/mnt/models) are refused: they expose the node's filesystem; use a "
+        "PVC, or run the operator with --allow-host-path (chart value allowHostPath: true)"]
+    host_kv = isvc(kvTransfer={"connector": "shared-storage", "sharedStorage": {"hostPath": "/mnt/kv"}})
+    with pytest.raises(InvalidSpec, match=r"spec\.kvTransfer\.sharedStorage\.hostPath"):
+        render(host_kv)
+    for obj in (host_model, host_kv):
+        assert render(obj, allow_host_path=True)
+    # A hostPath the spec does not use (another connector) mounts nothing and is not refused.
+    assert render(isvc(kvTransfer={"connector": "p2p", "sharedStorage": {"hostPath": "/mnt/kv"}}))
+
+
+def test_cli_render_refuses_host_paths_without_the_flag(capsys, tmp_path):
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump(isvc(model={"name": "m", "hostPath": "/mnt/models"})))
+    assert pdserve_main(["operator", "render", "-f", str(path)]) == 1
+    assert "--allow-host-path" in capsys.readouterr().err
+    assert pdserve_main(["operator", "render", "-f", str(path), "--allow-host-path"]) == 0
+    assert "/mnt/models" in capsys.readouterr().out
+
+
+# --- the KV side channel --------------------------------------------------------------------------
+
+def test_the_side_channel_serves_on_the_pod_ip():
+    deployments = by_kind(render_case("tensor and data parallel on GPUs"), "Deployment")
+    prefill = container(deployments["llama-prefill"])
+    extra = json.loads(flag(prefill["args"], "--kv-transfer-config"))["kv_connector_extra_config"]
+    # Kubernetes expands $(POD_IP) in args only from a variable the container defines.
+    assert extra["side_channel_host"] == "$(POD_IP)"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in prefill["env"]
+    decode = container(deployments["llama-decode"])
+    assert "side_channel_host" not in json.loads(flag(decode["args"], "--kv-transfer-config"))[
+        "kv_connector_extra_config"]  # a consumer serves no side channel

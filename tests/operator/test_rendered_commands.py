@@ -3,14 +3,18 @@
 The commands come from the operator's pure rendering of crds/examples/demo.yaml (and a kvstore
 variant of it) and run as local processes, changed only where a laptop differs from a cluster:
 127.0.0.x instead of 0.0.0.0, free ports instead of the fixed ones, 127.0.0.1:port instead of
-Service DNS names. The router keeps its Kubernetes discovery flags and finds the engines through
-EndpointSlices in kmock; the prefill and decode engines listen on 127.0.0.2 and 127.0.0.3 with the
-same port, so the router's single --engine-port holds as in a cluster.
+Service DNS names, the pod IP ($(POD_IP), which the kubelet expands) is the engine's own address.
+The router keeps its Kubernetes discovery flags and finds the engines through EndpointSlices in
+kmock; the prefill and decode engines listen on 127.0.0.2 and 127.0.0.3 with the same port, so the
+router's single --engine-port holds as in a cluster. The internal key reaches every process as the
+pods get it: a file of the rendered Secret (written here as the kubelet would), named by the env
+var the container declares, and no key in the environment itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import os
@@ -26,7 +30,10 @@ import httpx
 import openai
 import pytest
 
-from pdserve.operator.render import render
+from pdserve.engine.internal_auth import ENV_KEY, ENV_KEY_FILE, generate_key
+from pdserve.operator.commands import POD_IP_REFERENCE
+from pdserve.operator.render import internal_key_secret, render
+from pdserve.operator.spec import parse
 
 ENGINE_HOSTS = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}
 LOCAL = "127.0.0.1"
@@ -54,9 +61,9 @@ def free_port(*hosts: str, consecutive: int = 1) -> int:
     raise RuntimeError("no free port")
 
 
-def rendered_containers(sample: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """role -> the container of that role's Deployment, as the operator renders it."""
-    return {m["metadata"]["name"].removeprefix("demo-"): m["spec"]["template"]["spec"]["containers"][0]
+def rendered_pods(sample: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """role -> the pod spec of that role's Deployment, as the operator renders it."""
+    return {m["metadata"]["name"].removeprefix("demo-"): m["spec"]["template"]["spec"]
             for m in render(sample) if m["kind"] == "Deployment"}
 
 
@@ -124,6 +131,8 @@ def local_commands(containers: dict[str, dict[str, Any]]) -> tuple[dict[str, lis
         if "side_channel_port" in extra:  # p2p: where decode engines pull this prefill engine's blocks
             assert extra["side_channel_port"] == 5600, extra
             extra["side_channel_port"] = free_port(host)
+            assert extra["side_channel_host"] == POD_IP_REFERENCE, extra
+            extra["side_channel_host"] = host
         engine.replace("--kv-transfer-config", None, json.dumps(config, separators=(",", ":")))
         commands[role] = engine.command()
         probes[role] = ("http", f"http://{host}:{engine_port}/health")
@@ -135,6 +144,27 @@ def local_commands(containers: dict[str, dict[str, Any]]) -> tuple[dict[str, lis
     probes["router"] = ("http", f"http://{LOCAL}:{router_port}/health")
     return commands, {"probes": probes, "router": f"http://{LOCAL}:{router_port}", "engine_port": engine_port,
                       "model": router.value("--model")}
+
+
+def key_files(resource: dict[str, Any], pods: dict[str, dict[str, Any]], key: str,
+              root: Path) -> dict[str, dict[str, str]]:
+    """role -> the env that carries the key: the file the container's env names, written where its
+    Secret volume would put it (under `root` instead of the mount path)."""
+    secret = internal_key_secret(parse(resource), key)
+    envs = {}
+    for role, pod in pods.items():
+        c = pod["containers"][0]
+        path = next(e["value"] for e in c["env"] if e["name"] == ENV_KEY_FILE)
+        assert not any(e["name"] == ENV_KEY for e in c["env"]), "the key itself must not be in the pod spec"
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])["secret"]
+        assert volume["secretName"] == secret["metadata"]["name"]
+        item = next(i for i in volume["items"] if i["path"] == path.removeprefix(mount["mountPath"] + "/"))
+        local = root / mount["name"] / item["path"]
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(base64.b64decode(secret["data"][item["key"]]))
+        envs[role] = {ENV_KEY_FILE: str(local)}
+    return envs
 
 
 def endpoint_slice(service: str, address: str, port: int) -> dict[str, Any]:
@@ -208,22 +238,29 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-async def test_every_rendered_pod_command_starts_and_serves(variant, sample, cluster, kubeconfig, tmp_path):
+async def test_every_rendered_pod_command_starts_and_serves(variant, sample, cluster, kubeconfig, tmp_path,
+                                                           monkeypatch):
     resource = copy.deepcopy(sample("demo.yaml"))
     if VARIANTS[variant] is not None:
         resource["spec"]["kvTransfer"] = VARIANTS[variant]
-    containers = rendered_containers(resource)
+    pods = rendered_pods(resource)
+    containers = {role: pod["containers"][0] for role, pod in pods.items()}
     expected_roles = {"coordinator", "prefill", "decode", "router"} | ({"kvstore"} if VARIANTS[variant] else set())
     assert set(containers) == expected_roles
     commands, where = local_commands(containers)
 
+    # One fresh key for this deployment; this test's own clients (the KV store check) hold it too.
+    key = generate_key()
+    monkeypatch.setenv(ENV_KEY, key)
+    key_env = key_files(resource, pods, key, tmp_path / "secrets")
     env = dict(os.environ, PYTHONSAFEPATH="1", KUBECONFIG=str(kubeconfig))
+    del env[ENV_KEY]  # the processes get the file only, as the pods do
     running: dict[str, Running] = {}
     try:
         for role, command in commands.items():
             log = tmp_path / f"{role}.log"
             with open(log, "wb") as out:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**env, **key_env[role]},
                                         start_new_session=True)
             running[role] = Running(role, proc, log)
         backends = {role: probe for role, probe in where["probes"].items() if role != "router"}
