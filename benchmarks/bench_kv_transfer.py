@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -31,6 +33,10 @@ from bench_offline import MODEL_SPEC, cache_root
 from bench_serve import free_port, log, start, stop
 
 LAYERS, BLOCK, HEADS, HEAD_DIM = 32, 16, 8, 128
+
+
+# Every benchmark read is of one "prompt": the prefill side checks each read against its digest.
+BENCH_DIGEST = hashlib.sha256(b"kv-transfer benchmark").hexdigest()
 
 
 def make_caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
@@ -53,7 +59,7 @@ def producer(num_blocks: int, requests: dict[str, list[int]], ready, done) -> No
     caches = make_caches(num_blocks, fill=True)
     registry = SendRegistry()
     for request_id, blocks in requests.items():
-        registry.hold(request_id, blocks, timeout_s=3600)
+        registry.hold(request_id, blocks, timeout_s=3600, digest=BENCH_DIGEST)
     server = BlockServer(caches, registry, "127.0.0.1", 0)
     if nixl_available():
         server.nixl = NixlEndpoint("bench-producer", caches)
@@ -65,7 +71,7 @@ def producer(num_blocks: int, requests: dict[str, list[int]], ready, done) -> No
 def transfer_rows(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
     from pdserve.kvstore.block_io import KVLayout
     from pdserve.kvstore.transport_nixl import NixlEndpoint, nixl_available
-    from pdserve.kvstore.transport_tcp import BlockClient
+    from pdserve.kvstore.transport_tcp import BlockClient, HeldKV
 
     largest = max(sizes)
     num_blocks = 2 * (largest + 8)  # the second half is the in-process copy's source
@@ -119,12 +125,13 @@ def transfer_rows(sizes: list[int], repeats: dict[int, int]) -> list[dict]:
                 for i in range(repeats[n]):
                     request_id = f"r{n}-{i + (repeats[n] if name == 'nixl' else 0)}"
                     t = time.perf_counter()
+                    held = HeldKV(request_id, BENCH_DIGEST)
                     if name == "nixl":
-                        client.nixl_pull(peer, "bench", request_id, remote, local, time.monotonic() + 120)
+                        client.nixl_pull(peer, "bench", held, remote, local, time.monotonic() + 120)
                     else:
-                        client.pull(peer, request_id, remote, local, (0, HEADS), (0, HEADS), time.monotonic() + 120)
+                        client.pull(peer, held, remote, local, (0, HEADS), (0, HEADS), time.monotonic() + 120)
                     times.append(time.perf_counter() - t)
-                    client.release(peer, request_id, expected=1)
+                    client.release(peer, held, expected=1)
                 results[name] = min(times)
                 expected = float(LAYERS)  # the last layer holds LAYERS everywhere
                 assert caches[-1][:, local].float().mean().item() == expected, f"{name} moved wrong bytes"
@@ -152,12 +159,20 @@ def ttft_model() -> str:
     return str(path)
 
 
+def internal_headers() -> dict[str, str]:
+    """The engines refuse kv_transfer_params without the deployment's key (benchmarks/run.py sets one)."""
+    from pdserve.engine.internal_auth import ENV_KEY, HEADER
+
+    return {HEADER: os.environ[ENV_KEY]}
+
+
 def stream_ttft(url: str, body: dict) -> float:
     """Time to the first token; the stream is read to its end, so the request's remaining decode
     steps never overlap the next measurement on these two cores."""
     start_t = time.perf_counter()
     ttft = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=600) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), headers=internal_headers(),
+                      timeout=600) as r:
         for line in r.iter_lines():
             if ttft is None and line.startswith("data: ") and '"text"' in line:
                 ttft = time.perf_counter() - start_t
@@ -187,7 +202,7 @@ def ttft_rows(prompt_len: int, repeats: int, run_dir: Path) -> list[dict]:
                 body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
                 one = stream_ttft(prefill, body)
                 t = time.perf_counter()
-                first = httpx.post(f"{prefill}/v1/completions", timeout=600, json=dict(
+                first = httpx.post(f"{prefill}/v1/completions", timeout=600, headers=internal_headers(), json=dict(
                     body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})).json()
                 prefill_s = time.perf_counter() - t
                 second = stream_ttft(decode, dict(body, kv_transfer_params=first["kv_transfer_params"]))

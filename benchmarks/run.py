@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for a smoke run")
     args, rest = parser.parse_known_args()
     sys.path.insert(0, str(HERE))
+    # One internal key for every engine, router and store the benchmarks start, as in a deployment:
+    # engines with a KV connector refuse to start without one.
+    from pdserve.engine.internal_auth import ENV_KEY, generate_key
+
+    os.environ.setdefault(ENV_KEY, generate_key())
     for name in args.only or available():
         print(f"\n#### benchmark: {name}", flush=True)
         start = time.perf_counter()

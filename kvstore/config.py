@@ -12,7 +12,7 @@ EXTRA_KEYS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
         "transport": (str, "auto"),  # auto | nixl | tcp
         "abort_timeout_s": ((int, float), 30.0),
         "side_channel_port": (int, 0),  # rank r listens on port + r; 0 picks free ports
-        "side_channel_host": (str, ""),  # where decode engines reach us; default: the advertised host
+        "side_channel_host": (str, ""),  # where we listen and decode engines reach us; default: the advertised host
         "pull_timeout_s": ((int, float), 10.0),
     },
     "kvstore": {
@@ -21,6 +21,8 @@ EXTRA_KEYS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     },
     "shared-storage": {
         "path": (str, None),
+        # Most bytes of block files kept under `path`; the oldest files (by mtime) go first.
+        "capacity_bytes": (int, 8 * 2**30),
     },
 }
 REQUIRED = {"kvstore": "kvstore_url", "shared-storage": "path"}

@@ -10,6 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TP_SIZE = 64  # the largest tensor-parallel size a peer may claim; plans are O(tp^2) at most
+
+
+def tp_size_problem(total_kv_heads: int, tp_size: object) -> str | None:
+    """None when `tp_size` ranks can split `total_kv_heads` KV heads the way engine.model.layers
+    does (a power of two up to MAX_TP_SIZE that divides the heads or is divided by them); else
+    why not. Checked before any plan is made from a peer's word."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or not 1 <= tp_size <= MAX_TP_SIZE:
+        return f"a TP size must be an integer in [1, {MAX_TP_SIZE}], got {tp_size!r}"
+    if tp_size & (tp_size - 1):
+        return f"a TP size must be a power of two, got {tp_size}"
+    if total_kv_heads % tp_size and tp_size % total_kv_heads:
+        return f"{tp_size} ranks cannot split {total_kv_heads} KV heads"
+    return None
+
 
 def rank_heads(total_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     """Global KV head range [start, end) held by `rank` (the split of engine.model.layers)."""
@@ -74,4 +89,6 @@ def ranks_to_release(total_kv_heads: int, local_tp: int, local_rank: int, remote
     """Remote ranks nobody reads from; local rank 0 tells them to free the blocks."""
     if local_rank != 0:
         return []
-    return [q for q in range(remote_tp) if readers_of(total_kv_heads, local_tp, remote_tp, q) == 0]
+    # One pass over every local rank's plan, not one per remote rank (that was quadratic in remote_tp).
+    read = {r.remote_rank for lr in range(local_tp) for r in plan_head_reads(total_kv_heads, local_tp, lr, remote_tp)}
+    return [q for q in range(remote_tp) if q not in read]

@@ -9,19 +9,27 @@ Decode side: a request marked `do_remote_prefill` waits in WAITING_FOR_REMOTE_KV
 worker rank pulls the heads it owns from the prefill ranks that hold them (kvstore.layout), off
 the model's thread. Whatever goes wrong (the prefill engine gone, blocks expired, a timeout),
 the request comes back with its local prefix only and is recomputed.
+
+Nothing a peer sends is trusted: kv_transfer_params are checked here again (the scheduler must
+never raise on them, whatever the HTTP edge let through) and must name this very prompt (its
+digest, kvstore.binding); anything wrong means "compute the prompt here", with a warning. The side
+channel authenticates both ends with the deployment's internal key and listens only on the
+engine's own address.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kvstore.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, LoadLog
+from pdserve.kvstore.binding import digests_match, is_digest, prompt_digest
 from pdserve.kvstore.config import KVTransferConfig
-from pdserve.kvstore.layout import done_messages_expected, plan_head_reads, ranks_to_release
+from pdserve.kvstore.layout import done_messages_expected, plan_head_reads, ranks_to_release, tp_size_problem
 from pdserve.kvstore.send_registry import SendRegistry
 
 if TYPE_CHECKING:
@@ -29,11 +37,31 @@ if TYPE_CHECKING:
 
     from pdserve.engine.core.sched_output import SchedulerOutput
     from pdserve.engine.request import Request
+    from pdserve.kvstore.layout import HeadRead
+    from pdserve.kvstore.transport_tcp import HeldKV
 
 log = logging.getLogger("pdserve.kvstore.p2p")
 
-PARAM_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
-              "remote_tp_size")
+PARAM_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_tp_size",
+              "prompt_digest")
+MAX_TEXT = 256  # ids are uuids and request ids; anything longer is not ours
+MAX_BLOCK_ID = 2**31 - 1
+TRANSPORTS = ("tcp", "nixl")
+_HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")  # a host name, an IPv4 or an IPv6 address
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """Where a prompt's KV waits, from checked kv_transfer_params."""
+
+    engine_id: str
+    request_id: str  # the request's id in the prefill engine, which holds the blocks under it
+    block_ids: list[int]
+    host: str
+    ports: list[int]  # one side-channel port per prefill TP rank
+    tp_size: int
+    transport: str
+    prompt_digest: str
 
 
 @dataclass
@@ -47,6 +75,8 @@ class RecvSpec:
     remote_tp_size: int
     remote_engine_id: str
     transport: str = "tcp"
+    prompt_digest: str = ""
+    problem: str = ""  # set when the scheduler side could not describe the load: it fails at once
 
 
 @dataclass
@@ -54,6 +84,7 @@ class SendSpec:
     req_id: str
     block_ids: list[int]
     timeout_s: float
+    prompt_digest: str = ""
 
 
 @dataclass
@@ -62,12 +93,68 @@ class P2PMetadata:
     send: list[SendSpec] = field(default_factory=list)
 
 
-def remote_ports(params: dict[str, Any]) -> list[int]:
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_TEXT and value.isprintable()
+
+
+def remote_ports(params: dict[str, Any], tp_size: int) -> list[int] | str:
+    """One side-channel port per prefill rank (`remote_ports`, else `remote_port` + rank); or why not."""
     ports = params.get("remote_ports")
-    if ports:
-        return [int(p) for p in ports]
-    tp = int(params.get("remote_tp_size", 1))
-    return [int(params["remote_port"]) + r for r in range(tp)]
+    if ports is not None:
+        if not isinstance(ports, list) or len(ports) != tp_size:
+            return f"remote_ports must list {tp_size} ports, one per prefill rank"
+    else:
+        first = params.get("remote_port")
+        if not _is_int(first, 1, 65536 - tp_size):
+            return f"remote_port must be a port with room for {tp_size} ranks, got {first!r}"
+        ports = [first + r for r in range(tp_size)]
+    if not all(_is_int(p, 1, 65535) for p in ports):
+        return f"remote_ports must be ports in [1, 65535], got {ports!r}"
+    return list(ports)
+
+
+def parse_pull_params(params: dict[str, Any], prompt_token_ids: list[int], block_size: int, total_kv_heads: int
+                      ) -> PullSource | str:
+    """The pull described by a decode request's kv_transfer_params, or the first problem with
+    them. Pure; never raises on any JSON value."""
+    missing = [k for k in PARAM_KEYS if k not in params]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    tp = params["remote_tp_size"]
+    problem = tp_size_problem(total_kv_heads, tp)
+    if problem:
+        return f"remote_tp_size: {problem}"
+    ports = remote_ports(params, tp)
+    if isinstance(ports, str):
+        return ports
+    for key in ("remote_engine_id", "remote_request_id"):
+        if not _is_text(params[key]):
+            return f"{key} must be a printable string of 1 to {MAX_TEXT} characters"
+    host = params["remote_host"]
+    if not isinstance(host, str) or not _HOST.fullmatch(host):
+        return f"remote_host must be a host name or an IP address, got {str(host)[:64]!r}"
+    transport = params.get("transport", "tcp")
+    if transport not in TRANSPORTS:
+        return f"transport must be one of {', '.join(TRANSPORTS)}"
+    blocks = params["remote_block_ids"]
+    n = len(prompt_token_ids)
+    # The prefill's blocks of this prompt: all but the last token's, up to one more for the token it sampled.
+    least, most = -(-max(n - 1, 0) // block_size), -(-(n + 1) // block_size)
+    if not isinstance(blocks, list) or not least <= len(blocks) <= most:
+        return f"remote_block_ids must list {least} to {most} blocks for a prompt of {n} tokens"
+    if not all(_is_int(b, 0, MAX_BLOCK_ID) for b in blocks):
+        return f"remote_block_ids must be block ids in [0, {MAX_BLOCK_ID}]"
+    digest = params["prompt_digest"]
+    if not is_digest(digest):
+        return "prompt_digest must be 64 hex digits"
+    if not digests_match(prompt_digest(prompt_token_ids), digest):
+        return "they belong to another prompt (prompt_digest differs)"
+    return PullSource(params["remote_engine_id"], params["remote_request_id"], list(blocks), host, ports, tp,
+                      transport, digest)
 
 
 class P2PConnector(KVConnectorBase):
@@ -85,7 +172,7 @@ class P2PConnector(KVConnectorBase):
         self._send: list[SendSpec] = []
         self._ports: list[int] = []
         self._transport = "tcp"
-        self.host = kv_config.extra["side_channel_host"] or _host_of(config.advertise_address)
+        self.host = side_channel_host(kv_config.extra["side_channel_host"], config.advertise_address)
         # worker side
         self.registry = SendRegistry()
         self.server = None
@@ -102,36 +189,63 @@ class P2PConnector(KVConnectorBase):
         self._ports = [int(i.get("port", 0)) for i in infos]
         self._transport = infos[0].get("transport", "tcp") if infos else "tcp"
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def _pull_source(self, request: "Request") -> PullSource | str | None:
+        """The request's pull, a problem with its params, or None when it asks for no pull."""
         params = request.kv_transfer_params
-        if not (self.kv.is_consumer and params and params.get("do_remote_prefill")):
-            return 0, False
-        missing = [k for k in PARAM_KEYS if k not in params]
-        needed_blocks = -(-(request.num_prompt_tokens - 1) // self.block_size)
-        if missing or len(params.get("remote_block_ids") or ()) < needed_blocks:
-            log.warning("request %s: kv_transfer_params lack %s; computing the prompt here", request.request_id,
-                        ", ".join(missing) or f"{needed_blocks} remote blocks")
-            request.kv_transfer_params = dict(params, do_remote_prefill=False)
+        if not (self.kv.is_consumer and isinstance(params, dict) and params.get("do_remote_prefill")):
+            return None
+        return parse_pull_params(params, request.prompt_token_ids, self.block_size, self.total_kv_heads)
+
+    def _compute_here(self, request: "Request", problem: str) -> None:
+        log.warning("request %s: kv_transfer_params not used (%s); computing the prompt here", request.request_id,
+                    problem)
+        params = request.kv_transfer_params
+        request.kv_transfer_params = dict(params if isinstance(params, dict) else {}, do_remote_prefill=False)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        # Runs in the scheduler: a raise here would take the engine down, so nothing may escape.
+        try:
+            source = self._pull_source(request)
+            if source is None:
+                return 0, False
+            if isinstance(source, str):
+                self._compute_here(request, source)
+                return 0, False
+        except Exception as exc:
+            self._compute_here(request, f"unexpected {exc!r}")
             return 0, False
         # Everything but the last prompt token: computing that one gives the first token's logits.
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens), True
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if num_external_tokens <= 0 or not params or not params.get("do_remote_prefill"):
+        if num_external_tokens <= 0:
             return
-        first = request.num_computed_tokens // self.block_size
-        last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
-        self._recv.append(RecvSpec(
-            req_id=request.request_id, remote_req_id=str(params["remote_request_id"]),
-            local_block_ids=list(block_ids[first:last]),
-            remote_block_ids=[int(b) for b in params["remote_block_ids"][first:last]],
-            remote_host=str(params["remote_host"]), remote_ports=remote_ports(params),
-            remote_tp_size=int(params["remote_tp_size"]), remote_engine_id=str(params["remote_engine_id"]),
-            transport=str(params.get("transport", "tcp"))))
+        # The request now waits for this load: whatever happens, a RecvSpec must go to the workers
+        # (one with a problem fails at once), or it would wait forever.
+        spec = RecvSpec(req_id=request.request_id, remote_req_id="", local_block_ids=[], remote_block_ids=[],
+                        remote_host="", remote_ports=[], remote_tp_size=0, remote_engine_id="")
+        try:
+            source = self._pull_source(request)
+            if not isinstance(source, PullSource):
+                spec.problem = source or "no pull asked for"
+            else:
+                first = request.num_computed_tokens // self.block_size
+                last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
+                spec = RecvSpec(
+                    req_id=request.request_id, remote_req_id=source.request_id,
+                    local_block_ids=list(block_ids[first:last]), remote_block_ids=source.block_ids[first:last],
+                    remote_host=source.host, remote_ports=source.ports, remote_tp_size=source.tp_size,
+                    remote_engine_id=source.engine_id, transport=source.transport,
+                    prompt_digest=source.prompt_digest)
+                if len(spec.local_block_ids) != len(spec.remote_block_ids):
+                    spec.problem = "fewer remote blocks than the load needs"
+        except Exception as exc:
+            spec.problem = f"unexpected {exc!r}"
+        self._recv.append(spec)
         # One attempt: after a failure or a preemption the prompt is recomputed, since the
         # prefill engine frees its blocks once we are done with them.
-        request.kv_transfer_params = dict(params, do_remote_prefill=False)
+        params = request.kv_transfer_params
+        request.kv_transfer_params = dict(params if isinstance(params, dict) else {}, do_remote_prefill=False)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2PMetadata | None:
         if not self._recv and not self._send:
@@ -144,24 +258,31 @@ class P2PConnector(KVConnectorBase):
         from pdserve.engine.request import RequestStatus
 
         params = request.kv_transfer_params
-        if not (self.kv.is_producer and params and params.get("do_remote_decode")) or not block_ids \
+        if not (self.kv.is_producer and isinstance(params, dict) and params.get("do_remote_decode")) or not block_ids \
                 or request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
-        self._send.append(SendSpec(request.request_id, list(block_ids), self.abort_timeout_s))
+        # The KV belongs to this prompt: readers must name it, decode engines check it.
+        digest = prompt_digest(request.prompt_token_ids)
+        self._send.append(SendSpec(request.request_id, list(block_ids), self.abort_timeout_s, digest))
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_config.engine_id, "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids),
             "remote_host": self.host, "remote_port": self._ports[0] if self._ports else 0,
             "remote_ports": list(self._ports), "remote_tp_size": self.tp_size, "transport": self._transport,
+            "prompt_digest": digest,
         }
 
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: list["torch.Tensor"]) -> dict[str, Any]:
+        from pdserve.engine.internal_auth import load_internal_key
         from pdserve.kvstore.transport_tcp import BlockClient, BlockServer
 
         self.kv_caches = kv_caches
+        key = load_internal_key()
+        if key is None:
+            log.warning("kv transfer: no internal key; the side channel authenticates nobody (--insecure-kv-transfer)")
         transport = resolve_transport(self.kv.extra["transport"])
         self.nixl = None
         if transport == "nixl":
@@ -174,12 +295,19 @@ class P2PConnector(KVConnectorBase):
             # Data-parallel ranks of one pod each run TP workers: rank d's workers take the ports after rank d-1's.
             if base:
                 base += self.engine_config.parallel.data_parallel_rank * self.tp_size
-            self.server = BlockServer(kv_caches, self.registry, "0.0.0.0", base + self.rank if base else 0)
+            # Our own address only (the one decode engines are told), never every interface.
+            port = base + self.rank if base else 0
+            try:
+                self.server = BlockServer(kv_caches, self.registry, self.host, port, key=key)
+            except OSError as exc:
+                raise RuntimeError(f"kv transfer: cannot listen on {self.host}:{port} ({exc}); side_channel_host "
+                                   f"must be an address of this machine") from exc
             self.server.nixl = self.nixl
             info["port"] = self.server.port
-            log.info("kv transfer: rank %d serves blocks on port %d (%s)", self.rank, self.server.port, transport)
+            log.info("kv transfer: rank %d serves blocks on %s:%d (%s)", self.rank, self.host, self.server.port,
+                     transport)
         if self.kv.is_consumer:
-            self.client = BlockClient(kv_caches, self.pull_timeout_s, self.nixl)
+            self.client = BlockClient(kv_caches, self.pull_timeout_s, self.nixl, key=key)
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
         return info
 
@@ -187,7 +315,7 @@ class P2PConnector(KVConnectorBase):
         if metadata is None:
             return
         for spec in metadata.send:
-            self.registry.hold(spec.req_id, spec.block_ids, spec.timeout_s)
+            self.registry.hold(spec.req_id, spec.block_ids, spec.timeout_s, spec.prompt_digest)
         self._to_load.extend(metadata.recv)
 
     def start_load_kv(self) -> None:
@@ -198,40 +326,59 @@ class P2PConnector(KVConnectorBase):
                 self.loads.ended(spec.req_id, failed=True)
         else:
             for spec in self._to_load:
-                self._pool.submit(self._load, spec)
+                self._pool.submit(self._load, spec)  # _load reports every outcome itself
         self._to_load = []
 
     def _load(self, spec: RecvSpec) -> None:
+        """One pull, in a kv-pull thread. Every path ends the load (the scheduler then frees or
+        keeps the blocks): a pull that raised and never reported would leave the request waiting
+        and its blocks allocated forever."""
+        from pdserve.kvstore.transport_tcp import HeldKV
+
         start = time.monotonic()
-        reads = plan_head_reads(self.total_kv_heads, self.tp_size, self.rank, spec.remote_tp_size)
-        moved, error = 0, None
+        moved, error, reads, failed = 0, None, [], True
+        held = HeldKV(spec.remote_req_id, spec.prompt_digest)
         try:
+            if spec.problem:
+                raise ValueError(spec.problem)
+            reads = plan_head_reads(self.total_kv_heads, self.tp_size, self.rank, spec.remote_tp_size)
             # NIXL moves whole blocks: equal TP sizes on both sides; a head slice goes over TCP.
             use_nixl = self.nixl is not None and spec.transport == "nixl" and spec.remote_tp_size == self.tp_size
             for r in reads:
                 peer = (spec.remote_host, spec.remote_ports[r.remote_rank])
                 if use_nixl:
-                    moved += self.client.nixl_pull(peer, spec.remote_engine_id, spec.remote_req_id,  # type: ignore[union-attr]
+                    moved += self.client.nixl_pull(peer, spec.remote_engine_id, held,  # type: ignore[union-attr]
                                                    spec.remote_block_ids, spec.local_block_ids,
                                                    start + self.pull_timeout_s)
                 else:
-                    moved += self.client.pull(peer, spec.remote_req_id, spec.remote_block_ids,  # type: ignore[union-attr]
+                    moved += self.client.pull(peer, held, spec.remote_block_ids,  # type: ignore[union-attr]
                                               spec.local_block_ids, (r.remote_start, r.remote_end),
                                               (r.local_start, r.local_end), start + self.pull_timeout_s)
+            failed = False
         except Exception as exc:  # any failure means: recompute
             error = exc
+        finally:
+            # Reported first: the request need not wait for the releases below.
+            self.loads.ended(spec.req_id, moved, time.monotonic() - start, failed=failed)
         if error is not None:
             log.warning("kv transfer of %s failed, recomputing: %s", spec.req_id, error)
-        # Reported first: the request need not wait for the releases below.
-        self.loads.ended(spec.req_id, moved, time.monotonic() - start, failed=error is not None)
-        # Tell every prefill rank involved that this reader is done, so it frees the blocks now
-        # rather than at its abort timeout (also after a failure).
+        if spec.problem:
+            return  # nothing was asked of any prefill engine
+        try:
+            self._release(spec, held, reads)
+        except Exception as exc:  # best effort: the prefill side frees the blocks at its timeout anyway
+            log.warning("kv transfer of %s: could not release the prefill's blocks: %s", spec.req_id, exc)
+
+    def _release(self, spec: RecvSpec, held: "HeldKV", reads: list["HeadRead"]) -> None:
+        """Tell every prefill rank involved that this reader is done, so it frees the blocks now
+        rather than at its abort timeout (also after a failure)."""
         touched = {r.remote_rank for r in reads} | set(ranks_to_release(self.total_kv_heads, self.tp_size, self.rank,
                                                                           spec.remote_tp_size))
         for q in sorted(touched):
             if q < len(spec.remote_ports):
                 expected = done_messages_expected(self.total_kv_heads, self.tp_size, spec.remote_tp_size, q)
-                self.client.release((spec.remote_host, spec.remote_ports[q]), spec.remote_req_id, expected)  # type: ignore[union-attr]
+                peer = (spec.remote_host, spec.remote_ports[q])
+                self.client.release(peer, held, expected)  # type: ignore[union-attr]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self.registry.expire()
@@ -271,6 +418,13 @@ def resolve_transport(wanted: str) -> str:
         raise RuntimeError("the p2p connector was asked for transport 'nixl', but the nixl package does not "
                            "import here (install nixl-cu12==1.5.1 with --no-deps); use 'tcp' or 'auto'")
     return "tcp"
+
+
+def side_channel_host(configured: str, advertise_address: str | None) -> str:
+    """Where the side channel listens, and what decode engines are told: `side_channel_host` when
+    set, else the host this engine advertises to routers (its pod IP in a cluster), else loopback.
+    Never every interface unless a person asks for it: KV is a copy of users' prompts."""
+    return configured or _host_of(advertise_address)
 
 
 def _host_of(address: str | None) -> str:

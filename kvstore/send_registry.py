@@ -4,6 +4,9 @@ A finished prefill's blocks stay allocated until every reader has said it is don
 abort timeout passes with no read in progress. Reads hold a lease, so a timeout never frees
 blocks that are being copied out: the engine may reuse them only once `take_finished` has
 reported the request, and that never happens mid-read.
+
+Blocks belong to a prompt: each hold records the prompt's digest (kvstore.binding), and a reader
+must present the same digest, and name only blocks the request holds, to read, lease or release.
 """
 
 from __future__ import annotations
@@ -11,13 +14,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from pdserve.kvstore.binding import digests_match
+
+# A "done" names how many readers to wait for; more than one per TP rank pair cannot be legal.
+MAX_EXPECTED_READERS = 64
 
 
 @dataclass
 class HeldBlocks:
     block_ids: list[int]
     deadline: float
+    digest: str = ""  # the prompt's digest; "" matches no reader
+    block_set: frozenset[int] = field(default=frozenset())
     active_reads: int = 0
     done_messages: int = 0
     expected: int | None = None  # done messages to wait for, learned from the first one
@@ -36,6 +47,25 @@ class UnknownRequest(Exception):
         self.retry = retry
 
 
+class ReadRefused(Exception):
+    """The request is held, but not for this reader: another prompt's digest, or blocks it does
+    not hold. Never worth a retry."""
+
+    retry = False
+
+
+def is_run_of(held: list[int], held_set: frozenset[int], wanted: Sequence[int]) -> bool:
+    """Whether `wanted` is a consecutive run of `held`, in its order. A reader loads block i of
+    its list into the place of its prompt's block first+i: the same blocks in another order
+    would be another prompt's KV all the same."""
+    if not wanted:
+        return True
+    if wanted[0] not in held_set:
+        return False
+    start = held.index(wanted[0])
+    return held[start:start + len(wanted)] == list(wanted)
+
+
 class SendRegistry:
     def __init__(self, clock=time.monotonic) -> None:
         self._lock = threading.Lock()
@@ -46,18 +76,23 @@ class SendRegistry:
         self.num_expired = 0
         self.num_blocks_expired = 0
 
-    def hold(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+    def hold(self, request_id: str, block_ids: list[int], timeout_s: float, digest: str) -> None:
         with self._lock:
-            self._held[request_id] = HeldBlocks(list(block_ids), self._clock() + timeout_s)
+            self._held[request_id] = HeldBlocks(list(block_ids), self._clock() + timeout_s, digest,
+                                                frozenset(block_ids))
 
-    def begin_read(self, request_id: str) -> list[int]:
-        """Lease the request's blocks for one read; raises UnknownRequest."""
+    def begin_read(self, request_id: str, digest: str, block_ids: Sequence[int]) -> None:
+        """Lease the request's blocks for one read of `block_ids`; raises UnknownRequest, or
+        ReadRefused when the digest is not the held prompt's or a block is not the request's."""
         with self._lock:
             held = self._held.get(request_id)
             if held is None:
                 raise UnknownRequest(request_id, retry=request_id not in self._released)
+            if not digests_match(held.digest, digest):
+                raise ReadRefused(f"request {request_id!r} holds the KV of another prompt")
+            if not is_run_of(held.block_ids, held.block_set, block_ids):
+                raise ReadRefused(f"request {request_id!r} does not hold those blocks (as a run of its own, in order)")
             held.active_reads += 1
-            return held.block_ids
 
     def end_read(self, request_id: str) -> None:
         with self._lock:
@@ -67,16 +102,21 @@ class SendRegistry:
                 if held.complete:
                     self._release(request_id)
 
-    def done(self, request_id: str, expected: int) -> None:
-        """One reader is finished with the request; after `expected` of them the blocks go."""
+    def done(self, request_id: str, expected: int, digest: str) -> bool:
+        """One reader is finished with the request; after `expected` of them the blocks go.
+        False (and nothing changes) when the digest is not the held prompt's: only a reader of
+        that prompt may let its blocks go early."""
         with self._lock:
             held = self._held.get(request_id)
             if held is None:
-                return
+                return True  # released already: nothing to do, nothing to refuse
+            if not digests_match(held.digest, digest):
+                return False
             held.done_messages += 1
-            held.expected = expected
+            held.expected = max(1, min(int(expected), MAX_EXPECTED_READERS))
             if held.complete:
                 self._release(request_id)
+            return True
 
     def expire(self) -> int:
         """Release requests past their deadline with no read in progress; returns how many."""

@@ -6,6 +6,14 @@ keeps one connection per peer. Messages are a 4-byte length and a msgpack map; a
 with a header, then the raw bytes in block_io's wire order. The server hands the cache's own
 memory to `sendmsg` (scatter-gather); the client `recv_into`s each run of consecutive local blocks
 directly. Only a head slice (prefill and decode at different TP sizes) is staged through a buffer.
+
+Every connection starts with a mutual challenge-response over the deployment's internal key
+(engine.internal_auth), once per connection (connections are kept and reused, so a pull pays
+nothing for it): the server sends a magic and a nonce, the client answers with its proof and a
+nonce of its own, the server answers with its proof. Before that the server reads exactly that
+fixed-size answer, within a few seconds, and nothing else; connections are bounded per peer
+address and in total. A decode engine checks the server's proof too, so it never takes KV (or
+answers anything) from a side channel that does not hold the key.
 """
 
 from __future__ import annotations
@@ -17,25 +25,51 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import torch
 
+from pdserve.engine.internal_auth import NONCE_BYTES, PROOF_BYTES, load_internal_key, new_nonce, proof, proof_matches
 from pdserve.kvstore.block_io import KVLayout, as_bytes, head_slice, whole_block_views, write_head_slice
-from pdserve.kvstore.send_registry import SendRegistry, UnknownRequest
+from pdserve.kvstore.send_registry import ReadRefused, SendRegistry, UnknownRequest
 
 log = logging.getLogger("pdserve.kvstore.tcp")
 
 _LEN = struct.Struct("!I")
-MAX_MESSAGE = 64 << 20
+HELLO_MAGIC = b"pdkv-sc1"  # names the protocol (and its version) before the server's nonce
+HANDSHAKE_TIMEOUT_S = 3.0  # a peer that has not proven itself by then is dropped
+# After the handshake: what a server reads from a client (the largest legal block list is a few
+# hundred KiB), and what a client reads from a server (NIXL metadata lists every block of a cache).
+MAX_REQUEST_MESSAGE = 1 << 20
+MAX_REPLY_MESSAGE = 64 << 20
+MAX_BLOCKS_PER_MESSAGE = 1 << 18
+MAX_TEXT = 1024
+MAX_CONNECTIONS_PER_PEER = 32  # one decode rank keeps one; a pod's ranks and restarts stay far below
+MAX_CONNECTIONS = 256
 IOV_MAX = 512  # below Linux's 1024, leaving room
 NOT_READY_RETRY_S = 0.005
 NIXL_PROGRESS_S = 0.0002
+_FROM_ENVIRONMENT: Any = object()  # a BlockServer/BlockClient with no key given loads the deployment's
 
 
 class TransferError(Exception):
     pass
+
+
+class AuthenticationError(TransferError):
+    """The peer did not prove it holds the internal key."""
+
+
+@dataclass(frozen=True)
+class HeldKV:
+    """Which held KV a reader asks for: the prefill engine's request id, and the digest of the
+    prompt the reader will use it for (kvstore.binding); the server refuses any other prompt."""
+
+    request_id: str
+    prompt_digest: str
 
 
 def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
@@ -43,27 +77,116 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view`; with a deadline, the whole read must end by then (a peer trickling bytes
+    cannot hold the connection open beyond it)."""
     got, total = 0, len(view)
     while got < total:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the peer was too slow")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:], total - got)
         if n == 0:
             raise ConnectionError("the peer closed the connection")
         got += n
 
 
-def recv_message(sock: socket.socket) -> dict[str, Any]:
+def recv_message(sock: socket.socket, limit: int = MAX_REPLY_MESSAGE) -> dict[str, Any]:
+    """One framed message; the declared size is checked against `limit` before anything is
+    allocated for it."""
     header = bytearray(4)
     recv_exact(sock, memoryview(header))
     (size,) = _LEN.unpack(header)
-    if size > MAX_MESSAGE:
-        raise ConnectionError(f"message of {size} bytes is over the limit")
+    if size > limit:
+        raise ConnectionError(f"message of {size} bytes is over the limit of {limit}")
     body = bytearray(size)
     recv_exact(sock, memoryview(body))
     message = msgspec.msgpack.decode(body)
     if not isinstance(message, dict):
         raise ConnectionError("a message must be a map")
     return message
+
+
+# -- the handshake ----------------------------------------------------------------------------------
+
+def server_handshake(sock: socket.socket, key: bytes | None, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
+    """Challenge the client; True when it proved it holds the key (and it got our proof back).
+    Reads exactly one fixed-size answer, within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    nonce = new_nonce()
+    sock.settimeout(timeout_s)
+    sock.sendall(HELLO_MAGIC + nonce)
+    answer = bytearray(PROOF_BYTES + NONCE_BYTES)
+    recv_exact(sock, memoryview(answer), deadline)
+    if not proof_matches(key, "client", nonce, bytes(answer[:PROOF_BYTES])):
+        return False
+    sock.sendall(proof(key, "server", bytes(answer[PROOF_BYTES:])))
+    sock.settimeout(None)
+    return True
+
+
+def client_handshake(sock: socket.socket, key: bytes | None, deadline: float) -> None:
+    """Answer the server's challenge and check its proof; raises AuthenticationError or
+    TransferError (both mean: this peer's KV is not to be used)."""
+    hello = bytearray(len(HELLO_MAGIC) + NONCE_BYTES)
+    recv_exact(sock, memoryview(hello), deadline)
+    if bytes(hello[:len(HELLO_MAGIC)]) != HELLO_MAGIC:
+        raise TransferError("the peer is not a pdserve KV side channel (or runs another version)")
+    client_nonce = new_nonce()
+    sock.sendall(proof(key, "client", bytes(hello[len(HELLO_MAGIC):])) + client_nonce)
+    answer = bytearray(PROOF_BYTES)
+    try:
+        recv_exact(sock, memoryview(answer), deadline)
+    except ConnectionError:
+        raise AuthenticationError("the peer closed the side channel during the handshake: it does not hold "
+                                  "this engine's internal key") from None
+    if not proof_matches(key, "server", client_nonce, bytes(answer)):
+        raise AuthenticationError("the peer does not hold this engine's internal key")
+
+
+class RateLimitedWarning:
+    """A warning logged at most once per interval, counting what it held back; a flood of bad
+    peers must not flood the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = float("-inf")
+        self._held_back = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._held_back += 1
+                return
+            held_back, self._held_back, self._last = self._held_back, 0, now
+        suffix = f" ({held_back} more like it not logged)" if held_back else ""
+        self.logger.warning(message + suffix, *args)
+
+
+# -- checks of a peer's message (after the handshake; a bad one is answered, never fatal) -----------
+
+def _text(message: dict[str, Any], name: str) -> str:
+    value = message.get(name)
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters")
+    return value
+
+
+def _block_ids(message: dict[str, Any]) -> list[int]:
+    value = message.get("blocks")
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS_PER_MESSAGE \
+            or not all(type(b) is int and 0 <= b < 2**31 for b in value):
+        raise ValueError("blocks must be a list of block ids")
+    return value
+
+
+def _held_kv(message: dict[str, Any]) -> HeldKV:
+    return HeldKV(_text(message, "req"), _text(message, "digest"))
 
 
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -100,42 +223,81 @@ def tune(sock: socket.socket) -> None:
 
 
 class BlockServer:
-    """Serves reads of held blocks out of one worker rank's KV cache."""
+    """Serves reads of held blocks out of one worker rank's KV cache, to peers holding the key.
 
-    def __init__(self, kv_caches: list[torch.Tensor], registry: SendRegistry, host: str = "0.0.0.0",
-                 port: int = 0) -> None:
+    `host` is the address to listen on: the engine's own (never every interface by default).
+    `key`: the internal key (None: insecure mode, the empty key); by default the deployment's.
+    """
+
+    def __init__(self, kv_caches: list[torch.Tensor], registry: SendRegistry, host: str = "127.0.0.1",
+                 port: int = 0, key: bytes | None = _FROM_ENVIRONMENT,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.registry = registry
+        self.key = load_internal_key() if key is _FROM_ENVIRONMENT else key
+        self.handshake_timeout_s = handshake_timeout_s
         self.nixl: Any = None  # a NixlEndpoint, when NIXL moves the data and we only lease
         self.bytes_sent = 0
+        self.auth_failures = 0  # peers that did not prove they hold the key
+        self.refused_connections = 0  # over the connection bounds
+        self._warn = RateLimitedWarning(log)
         self._lock = threading.Lock()
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self.host = host
         self.port = self._listener.getsockname()[1]
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._per_peer: Counter[str] = Counter()
         threading.Thread(target=self._accept_loop, name="kv-block-server", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 return
+            peer = address[0]
+            if not self._admit(conn, peer):
+                conn.close()
+                self._warn("kv transfer: refused a side-channel connection from %s (over %d per peer or %d in all)",
+                           peer, MAX_CONNECTIONS_PER_PEER, MAX_CONNECTIONS)
+                continue
             tune(conn)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-block-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="kv-block-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        leases: set[str] = set()  # NIXL reads in progress from this peer
+    def _admit(self, conn: socket.socket, peer: str) -> bool:
+        with self._lock:
+            if len(self._conns) >= MAX_CONNECTIONS or self._per_peer[peer] >= MAX_CONNECTIONS_PER_PEER:
+                self.refused_connections += 1
+                return False
+            self._conns.add(conn)
+            self._per_peer[peer] += 1
+            return True
+
+    def _authenticate(self, conn: socket.socket, peer: str) -> bool:
+        try:
+            if server_handshake(conn, self.key, self.handshake_timeout_s):
+                return True
+            reason = "a wrong proof (it does not hold the internal key)"
+        except (ConnectionError, OSError) as exc:  # OSError covers the timeout
+            reason = f"no proof in time ({exc.__class__.__name__})"
+        with self._lock:
+            self.auth_failures += 1
+        self._warn("kv transfer: closed a side-channel connection from %s: %s", peer, reason)
+        return False
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        leases: Counter[str] = Counter()  # NIXL reads in progress from this peer, by request id
         try:
             with conn:
+                if not self._authenticate(conn, peer):
+                    return
                 while True:
                     if leases and self.nixl is not None:
                         self._progress_until_readable(conn)
                     try:
-                        message = recv_message(conn)
+                        message = recv_message(conn, MAX_REQUEST_MESSAGE)
                     except (ConnectionError, OSError, msgspec.DecodeError):
                         return
                     try:
@@ -143,13 +305,17 @@ class BlockServer:
                     except (ConnectionError, OSError):
                         return
                     except Exception as exc:  # a bad message from a peer must not kill the engine
-                        log.warning("kv transfer: bad message from a peer: %s", exc)
+                        log.warning("kv transfer: bad message from %s: %s", peer, exc)
                         send_message(conn, {"ok": False, "error": f"bad message: {exc}", "retry": False})
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            for request_id in leases:  # a reader that vanished mid-read no longer pins the blocks
-                self.registry.end_read(request_id)
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
+            for request_id, count in leases.items():  # a reader that vanished mid-read no longer pins the blocks
+                for _ in range(count):
+                    self.registry.end_read(request_id)
 
     def _progress_until_readable(self, conn: socket.socket) -> None:
         """While a peer READs our memory with NIXL, our agent must make progress for it (we run
@@ -157,20 +323,20 @@ class BlockServer:
         while not select.select([conn], [], [], NIXL_PROGRESS_S)[0]:
             self.nixl.progress()
 
-    def _handle(self, conn: socket.socket, message: dict[str, Any], leases: set[str]) -> None:
+    def _handle(self, conn: socket.socket, message: dict[str, Any], leases: Counter[str]) -> None:
         op = message.get("op")
         if op == "layout":
             send_message(conn, {"ok": True, "layout": dataclasses.asdict(self.layout)})
         elif op == "read":
-            self._read(conn, str(message["req"]), [int(b) for b in message["blocks"]], message.get("heads"))
+            heads = message.get("heads")
+            self._read(conn, _held_kv(message), _block_ids(message), heads)
         elif op == "lease":
-            request_id = str(message["req"])
-            try:
-                self.registry.begin_read(request_id)
-            except UnknownRequest as exc:
-                send_message(conn, {"ok": False, "error": str(exc), "retry": exc.retry})
+            # NIXL READs are one-sided: the lease names every block the reader will READ, and is
+            # granted only when the request holds each of them for this prompt.
+            held = _held_kv(message)
+            if not self._begin_read(conn, held, _block_ids(message)):
                 return
-            leases.add(request_id)
+            leases[held.request_id] += 1
             send_message(conn, {"ok": True})
         elif op == "nixl_md":
             if self.nixl is None:
@@ -178,31 +344,38 @@ class BlockServer:
             else:
                 send_message(conn, {"ok": True, "md": self.nixl.metadata()})
         elif op == "done":
-            request_id = str(message["req"])
-            if request_id in leases:
-                leases.discard(request_id)
-                self.registry.end_read(request_id)
-            self.registry.done(request_id, int(message.get("expected", 1)))
+            held = _held_kv(message)
+            expected = message.get("expected", 1)
+            if type(expected) is not int:
+                raise ValueError("expected must be an integer")
+            # Only a reader of this very prompt may let its blocks go before their timeout.
+            if not self.registry.done(held.request_id, expected, held.prompt_digest):
+                send_message(conn, {"ok": False, "error": f"request {held.request_id!r} holds the KV of another "
+                                                          "prompt", "retry": False})
+                return
+            for _ in range(leases.pop(held.request_id, 0)):
+                self.registry.end_read(held.request_id)
             send_message(conn, {"ok": True})
         else:
             send_message(conn, {"ok": False, "error": f"unknown op {op!r}", "retry": False})
 
-    def _read(self, conn: socket.socket, request_id: str, wanted: list[int], heads: list[int] | None) -> None:
+    def _begin_read(self, conn: socket.socket, held: HeldKV, blocks: list[int]) -> bool:
+        """Lease the blocks for this reader, or answer why not."""
         try:
-            held = self.registry.begin_read(request_id)
-        except UnknownRequest as exc:
+            self.registry.begin_read(held.request_id, held.prompt_digest, blocks)
+        except (UnknownRequest, ReadRefused) as exc:
             send_message(conn, {"ok": False, "error": str(exc), "retry": exc.retry})
+            return False
+        return True
+
+    def _read(self, conn: socket.socket, held: HeldKV, wanted: list[int], heads: Any) -> None:
+        h0, h1 = heads if heads else (0, self.layout.num_kv_heads)
+        if type(h0) is not int or type(h1) is not int or not 0 <= h0 < h1 <= self.layout.num_kv_heads:
+            send_message(conn, {"ok": False, "error": f"no heads {heads!r} here", "retry": False})
+            return
+        if not self._begin_read(conn, held, wanted):
             return
         try:
-            held_set = set(held)
-            if any(b not in held_set for b in wanted):
-                send_message(conn, {"ok": False, "error": f"request {request_id!r} does not hold those blocks",
-                                    "retry": False})
-                return
-            h0, h1 = heads if heads else (0, self.layout.num_kv_heads)
-            if not 0 <= h0 < h1 <= self.layout.num_kv_heads:
-                send_message(conn, {"ok": False, "error": f"no heads [{h0}, {h1}) here", "retry": False})
-                return
             whole = (h0, h1) == (0, self.layout.num_kv_heads)
             if whole and not self.kv_caches[0].is_cuda:
                 views = whole_block_views(self.kv_caches, wanted)
@@ -215,7 +388,7 @@ class BlockServer:
             with self._lock:
                 self.bytes_sent += nbytes
         finally:
-            self.registry.end_read(request_id)
+            self.registry.end_read(held.request_id)
 
     def close(self) -> None:
         self._closed = True
@@ -232,11 +405,13 @@ class BlockServer:
 class BlockClient:
     """One decode worker rank's connections to prefill ranks; one pull at a time per peer."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float = 10.0, nixl: Any = None) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], timeout_s: float = 10.0, nixl: Any = None,
+                 key: bytes | None = _FROM_ENVIRONMENT) -> None:
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.timeout_s = timeout_s
         self.nixl = nixl  # a NixlEndpoint: whole-block reads go through it
+        self.key = load_internal_key() if key is _FROM_ENVIRONMENT else key
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
@@ -245,19 +420,24 @@ class BlockClient:
         with self._guard:
             return self._locks.setdefault(peer, threading.Lock())
 
-    def _connect(self, peer: tuple[str, int]) -> socket.socket:
+    def _connect(self, peer: tuple[str, int], deadline: float) -> socket.socket:
         sock = self._conns.get(peer)
         if sock is not None:
             return sock
-        sock = socket.create_connection(peer, timeout=self.timeout_s)
-        tune(sock)
-        send_message(sock, {"op": "layout"})
-        reply = recv_message(sock)
-        remote = KVLayout(**reply["layout"])
-        problem = self.layout.compatible(remote)
-        if problem:
+        sock = socket.create_connection(peer, timeout=max(0.1, min(self.timeout_s, deadline - time.monotonic())))
+        try:
+            tune(sock)
+            client_handshake(sock, self.key, deadline)
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            send_message(sock, {"op": "layout"})
+            reply = recv_message(sock)
+            remote = KVLayout(**reply["layout"])
+            problem = self.layout.compatible(remote)
+            if problem:
+                raise TransferError(f"the KV layouts of the two engines differ ({problem})")
+        except BaseException:
             sock.close()
-            raise TransferError(f"the KV layouts of the two engines differ ({problem})")
+            raise
         self._conns[peer] = sock
         return sock
 
@@ -266,21 +446,24 @@ class BlockClient:
         if sock is not None:
             sock.close()
 
-    def pull(self, peer: tuple[str, int], request_id: str, remote_blocks: list[int], local_blocks: list[int],
+    def pull(self, peer: tuple[str, int], held: HeldKV, remote_blocks: list[int], local_blocks: list[int],
              remote_heads: tuple[int, int], local_heads: tuple[int, int], deadline: float) -> int:
         """Copy the remote blocks' heads into the local blocks; returns bytes moved. Waits (until
         `deadline`) for a prefill rank that has not registered the request yet."""
         with self._peer_lock(peer):
             try:
-                return self._pull(peer, request_id, remote_blocks, local_blocks, remote_heads, local_heads, deadline)
-            except (OSError, ConnectionError, msgspec.DecodeError, KeyError, TypeError) as exc:
+                return self._pull(peer, held, remote_blocks, local_blocks, remote_heads, local_heads, deadline)
+            except TransferError:
+                raise  # a refusal: the connection is still in step
+            except (OSError, ConnectionError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
                 self._drop(peer)
-                raise TransferError(f"pulling KV of {request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") from exc
+                raise TransferError(f"pulling KV of {held.request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") \
+                    from exc
 
     def _ask(self, peer: tuple[str, int], message: dict[str, Any], deadline: float) -> dict[str, Any]:
         """Send a request, retrying while the peer says the request is not registered yet."""
         while True:
-            sock = self._connect(peer)
+            sock = self._connect(peer, deadline)
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             send_message(sock, message)
             reply = recv_message(sock)
@@ -291,33 +474,38 @@ class BlockClient:
                 continue
             raise TransferError(str(reply.get("error")))
 
-    def nixl_pull(self, peer: tuple[str, int], engine_id: str, request_id: str, remote_blocks: list[int],
+    def nixl_pull(self, peer: tuple[str, int], engine_id: str, held: HeldKV, remote_blocks: list[int],
                   local_blocks: list[int], deadline: float) -> int:
-        """Lease the blocks over the side channel, READ them with NIXL. The caller's `release`
-        ends the lease."""
+        """Lease exactly the blocks to read over the side channel, READ those with NIXL. The
+        caller's `release` ends the lease."""
         key = f"{engine_id}@{peer[0]}:{peer[1]}"
         with self._peer_lock(peer):
             try:
                 if not self.nixl.has_peer(key):
                     self.nixl.add_peer(key, self._ask(peer, {"op": "nixl_md"}, deadline)["md"])
-                self._ask(peer, {"op": "lease", "req": request_id}, deadline)
-            except (OSError, ConnectionError, msgspec.DecodeError, KeyError, TypeError) as exc:
+                self._ask(peer, {"op": "lease", "req": held.request_id, "digest": held.prompt_digest,
+                                 "blocks": list(remote_blocks)}, deadline)
+            except TransferError:
+                raise
+            except (OSError, ConnectionError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
                 self._drop(peer)
-                raise TransferError(f"leasing KV of {request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") from exc
+                raise TransferError(f"leasing KV of {held.request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") \
+                    from exc
         try:
             return self.nixl.read(key, remote_blocks, local_blocks, deadline)
         except Exception as exc:
             self.nixl.forget_peer(key)  # a restarted peer registers new memory: fetch it again
-            raise TransferError(f"NIXL read of {request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") from exc
+            raise TransferError(f"NIXL read of {held.request_id!r} from {peer[0]}:{peer[1]} failed: {exc}") from exc
 
-    def _pull(self, peer, request_id, remote_blocks, local_blocks, remote_heads, local_heads, deadline) -> int:
+    def _pull(self, peer, held, remote_blocks, local_blocks, remote_heads, local_heads, deadline) -> int:
         nheads = remote_heads[1] - remote_heads[0]
         whole_local = (local_heads[1] - local_heads[0]) == self.layout.num_kv_heads
         expected = self.layout.transfer_bytes(len(remote_blocks), nheads)
-        reply = self._ask(peer, {"op": "read", "req": request_id, "blocks": remote_blocks, "heads": list(remote_heads)},
-                          deadline)
+        reply = self._ask(peer, {"op": "read", "req": held.request_id, "digest": held.prompt_digest,
+                                 "blocks": list(remote_blocks), "heads": list(remote_heads)}, deadline)
         sock = self._conns[peer]
         if reply["nbytes"] != expected:
+            self._drop(peer)  # its bytes follow: the connection is out of step
             raise TransferError(f"expected {expected} bytes, the peer sends {reply['nbytes']}")
         if whole_local and not self.kv_caches[0].is_cuda:
             # Straight into the cache: every run of consecutive local blocks is one buffer.
@@ -331,17 +519,18 @@ class BlockClient:
                 write_head_slice(self.kv_caches, layer, kv, local_blocks, local_heads[0], local_heads[1], staging)
         return expected
 
-    def release(self, peer: tuple[str, int], request_id: str, expected: int) -> None:
+    def release(self, peer: tuple[str, int], held: HeldKV, expected: int) -> None:
         """Tell the peer this reader is finished with the request (best effort)."""
         with self._peer_lock(peer):
             try:
-                sock = self._connect(peer)
+                sock = self._connect(peer, time.monotonic() + self.timeout_s)
                 sock.settimeout(self.timeout_s)
-                send_message(sock, {"op": "done", "req": request_id, "expected": expected})
+                send_message(sock, {"op": "done", "req": held.request_id, "digest": held.prompt_digest,
+                                    "expected": expected})
                 recv_message(sock)
-            except (OSError, ConnectionError, msgspec.DecodeError, TransferError) as exc:
+            except (OSError, ConnectionError, msgspec.DecodeError, TransferError, KeyError, TypeError) as exc:
                 self._drop(peer)
-                log.debug("could not release %s at %s: %s", request_id, peer, exc)
+                log.debug("could not release %s at %s: %s", held.request_id, peer, exc)
 
     def close(self) -> None:
         for peer in list(self._conns):

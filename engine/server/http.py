@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -100,9 +101,17 @@ def _echo_request_id(send: Callable, value: bytes) -> Callable:
     return send_with_id
 
 
-class _BodyTooLarge(Exception):
+class _BodyTooLarge(APIError):
+    """Raised from inside the body stream: a route reading the body answers 413 through the app's
+    APIError handler; outside a route the middleware answers it."""
+
     def __init__(self, size: int) -> None:
+        super().__init__(413, f"Request body too large: more than {size - 1} bytes.", code="request_too_large")
         self.size = size
+
+
+# A JSON escape of a UTF-16 surrogate: only then can a decoded string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
@@ -113,6 +122,13 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise APIError(400, f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}.") from None
     except json.JSONDecodeError as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply.") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:  # a lone surrogate decodes, then breaks the tokenizer: refuse it here
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "The request body holds an unpaired UTF-16 surrogate escape (e.g. \\ud800).") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
     try:

@@ -8,11 +8,19 @@ import time
 import pytest
 import torch
 
+from pdserve.kvstore.binding import prompt_digest
 from pdserve.kvstore.block_io import KVLayout
 from pdserve.kvstore.config import KVTransferConfigError, parse_kv_transfer_config
 from pdserve.kvstore.layout import done_messages_expected, plan_head_reads, rank_heads, ranks_to_release
-from pdserve.kvstore.send_registry import SendRegistry, UnknownRequest
-from pdserve.kvstore.transport_tcp import BlockClient, BlockServer, TransferError
+from pdserve.kvstore.send_registry import ReadRefused, SendRegistry, UnknownRequest
+from pdserve.kvstore.transport_tcp import BlockClient, BlockServer, HeldKV, TransferError
+
+DIGEST = prompt_digest([1, 2, 3])
+OTHER = prompt_digest([1, 2, 4])
+
+
+def held(request_id: str) -> HeldKV:
+    return HeldKV(request_id, DIGEST)
 
 
 # -- --kv-transfer-config ------------------------------------------------------------------------
@@ -82,26 +90,39 @@ def test_registry_releases_after_all_readers_and_never_mid_read():
     clock = Clock()
     reg = SendRegistry(clock)
     with pytest.raises(UnknownRequest) as early:
-        reg.begin_read("r")
+        reg.begin_read("r", DIGEST, [3])
     assert early.value.retry  # may still be registered by the next step
-    reg.hold("r", [3, 4], timeout_s=5)
-    assert reg.begin_read("r") == [3, 4]
-    reg.done("r", expected=2)
-    reg.done("r", expected=2)
+    reg.hold("r", [3, 4], timeout_s=5, digest=DIGEST)
+    reg.begin_read("r", DIGEST, [4])
+    reg.done("r", expected=2, digest=DIGEST)
+    reg.done("r", expected=2, digest=DIGEST)
     clock.now += 60
     assert reg.expire() == 0 and reg.take_finished() == set()  # a read is in progress
     reg.end_read("r")
     assert reg.take_finished() == {"r"}
     with pytest.raises(UnknownRequest) as late:
-        reg.begin_read("r")
+        reg.begin_read("r", DIGEST, [3])
     assert not late.value.retry
+
+
+def test_registry_serves_a_prompts_blocks_only_to_readers_of_that_prompt():
+    reg = SendRegistry(Clock())
+    reg.hold("r", [3, 4], timeout_s=5, digest=DIGEST)
+    for digest, blocks in ((OTHER, [3]), ("", [3]), (None, [3]), (DIGEST, [5]), (DIGEST, [3, 4, 5]),
+                           (DIGEST, [4, 3]), (DIGEST, [3, 3])):  # out of order: KV in the wrong places
+        with pytest.raises(ReadRefused):
+            reg.begin_read("r", digest, blocks)
+    assert not reg.done("r", expected=1, digest=OTHER)  # a stranger cannot release the blocks
+    assert reg.num_held == 1 and reg.take_finished() == set()
+    assert reg.done("r", expected=1, digest=DIGEST)
+    assert reg.take_finished() == {"r"}
 
 
 def test_registry_expires_unread_blocks():
     clock = Clock()
     reg = SendRegistry(clock)
-    reg.hold("a", [1], timeout_s=5)
-    reg.hold("b", [2, 3], timeout_s=50)
+    reg.hold("a", [1], timeout_s=5, digest=DIGEST)
+    reg.hold("b", [2, 3], timeout_s=50, digest=DIGEST)
     clock.now += 10
     assert reg.expire() == 1 and reg.take_finished() == {"a"}
     assert reg.num_blocks_expired == 1 and reg.num_held == 1
@@ -130,16 +151,17 @@ def test_tcp_pull_of_whole_blocks_is_exact(dtype):
 
         def register_later():  # the decode side may ask before the prefill step registers it
             time.sleep(0.2)
-            reg.hold("req", remote, timeout_s=30)
+            reg.hold("req", remote, timeout_s=30, digest=DIGEST)
 
         threading.Thread(target=register_later).start()
-        moved = client.pull(("127.0.0.1", server.port), "req", remote, local, (0, 4), (0, 4), time.monotonic() + 5)
+        moved = client.pull(("127.0.0.1", server.port), held("req"), remote, local, (0, 4), (0, 4),
+                            time.monotonic() + 5)
         assert moved == KVLayout.of(src).transfer_bytes(len(remote))
         for s, d in zip(src, dst):
             assert torch.equal(d[:, local], s[:, remote])
             untouched = [b for b in range(12) if b not in local]
             assert not d[:, untouched].any()
-        client.release(("127.0.0.1", server.port), "req", expected=1)
+        client.release(("127.0.0.1", server.port), held("req"), expected=1)
         assert reg.take_finished() == {"req"}
     finally:
         client.close()
@@ -150,20 +172,20 @@ def test_tcp_pull_of_a_head_slice():
     """Prefill TP=1 (4 heads) -> decode rank 1 of TP=2 (heads 2-3), and the reverse direction."""
     src, dst = caches(heads=4), caches(heads=2, fill=False)
     reg = SendRegistry()
-    reg.hold("req", [1, 2], timeout_s=30)
+    reg.hold("req", [1, 2], timeout_s=30, digest=DIGEST)
     server = BlockServer(src, reg, "127.0.0.1", 0)
     client = BlockClient(dst, timeout_s=5)
     try:
-        client.pull(("127.0.0.1", server.port), "req", [1, 2], [4, 6], (2, 4), (0, 2), time.monotonic() + 5)
+        client.pull(("127.0.0.1", server.port), held("req"), [1, 2], [4, 6], (2, 4), (0, 2), time.monotonic() + 5)
         for s, d in zip(src, dst):
             assert torch.equal(d[:, [4, 6]], s[:, [1, 2], :, 2:4])
         # decode with more heads than one prefill rank holds: fill heads 2-3 of a 4-head cache
         wide = caches(heads=4, fill=False)
         narrow_src = caches(heads=2)
-        reg.hold("half", [0], timeout_s=30)
+        reg.hold("half", [0], timeout_s=30, digest=DIGEST)
         server2 = BlockServer(narrow_src, reg, "127.0.0.1", 0)
         client2 = BlockClient(wide, timeout_s=5)
-        client2.pull(("127.0.0.1", server2.port), "half", [0], [3], (0, 2), (2, 4), time.monotonic() + 5)
+        client2.pull(("127.0.0.1", server2.port), held("half"), [0], [3], (0, 2), (2, 4), time.monotonic() + 5)
         for s, d in zip(narrow_src, wide):
             assert torch.equal(d[:, 3, :, 2:4], s[:, 0]) and not d[:, 3, :, :2].any()
         client2.close()
@@ -180,20 +202,23 @@ def test_tcp_pull_failures_are_clear_errors():
     try:
         other_layout = BlockClient(caches(num_layers=2, fill=False), timeout_s=2)
         with pytest.raises(TransferError, match="num_layers differs"):
-            other_layout.pull(("127.0.0.1", server.port), "x", [0], [0], (0, 4), (0, 4), time.monotonic() + 2)
+            other_layout.pull(("127.0.0.1", server.port), held("x"), [0], [0], (0, 4), (0, 4), time.monotonic() + 2)
         client = BlockClient(caches(fill=False), timeout_s=2)
-        reg.hold("r", [1, 2], timeout_s=30)
+        reg.hold("r", [1, 2], timeout_s=30, digest=DIGEST)
         with pytest.raises(TransferError, match="does not hold those blocks"):
-            client.pull(("127.0.0.1", server.port), "r", [5], [0], (0, 4), (0, 4), time.monotonic() + 2)
+            client.pull(("127.0.0.1", server.port), held("r"), [5], [0], (0, 4), (0, 4), time.monotonic() + 2)
+        with pytest.raises(TransferError, match="another prompt"):
+            client.pull(("127.0.0.1", server.port), HeldKV("r", OTHER), [1], [0], (0, 4), (0, 4),
+                        time.monotonic() + 2)
         start = time.monotonic()
         with pytest.raises(TransferError, match="no KV held"):  # never registered: gives up at the deadline
-            client.pull(("127.0.0.1", server.port), "never", [1], [0], (0, 4), (0, 4), time.monotonic() + 0.5)
+            client.pull(("127.0.0.1", server.port), held("never"), [1], [0], (0, 4), (0, 4), time.monotonic() + 0.5)
         assert time.monotonic() - start < 5
     finally:
         server.close()
     with pytest.raises(TransferError):  # the prefill engine is gone
-        BlockClient(caches(fill=False), timeout_s=1).pull(("127.0.0.1", server.port), "r", [1], [0], (0, 4), (0, 4),
-                                                          time.monotonic() + 1)
+        BlockClient(caches(fill=False), timeout_s=1).pull(("127.0.0.1", server.port), held("r"), [1], [0], (0, 4),
+                                                          (0, 4), time.monotonic() + 1)
 
 
 def test_nixl_read_between_two_agents():
@@ -204,18 +229,18 @@ def test_nixl_read_between_two_agents():
         pytest.fail("nixl does not import: `make install` installs nixl-cu12==1.5.1 on Linux x86_64")
     src, dst = caches(), caches(fill=False)
     reg = SendRegistry()
-    reg.hold("req", [3, 4, 8], timeout_s=30)
+    reg.hold("req", [3, 4, 8], timeout_s=30, digest=DIGEST)
     server = BlockServer(src, reg, "127.0.0.1", 0)
     server.nixl = NixlEndpoint("prefill", src)
     client = BlockClient(dst, timeout_s=5, nixl=NixlEndpoint("decode", dst))
     try:
-        moved = client.nixl_pull(("127.0.0.1", server.port), "engine", "req", [3, 4, 8], [0, 1, 2],
+        moved = client.nixl_pull(("127.0.0.1", server.port), "engine", held("req"), [3, 4, 8], [0, 1, 2],
                                  time.monotonic() + 10)
         assert moved == KVLayout.of(src).transfer_bytes(3)
         for s, d in zip(src, dst):
             assert torch.equal(d[:, [0, 1, 2]], s[:, [3, 4, 8]])
         assert reg.expire() == 0  # leased until released
-        client.release(("127.0.0.1", server.port), "req", expected=1)
+        client.release(("127.0.0.1", server.port), held("req"), expected=1)
         assert reg.take_finished() == {"req"}
     finally:
         client.close()

@@ -25,6 +25,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.kvstore.binding import prompt_digest
+from support.auth import internal_headers
 from support.server import ServerProcess, free_port, wait_healthy
 
 BLOCK = 16
@@ -75,7 +77,8 @@ def prompts(seed: int, vocab: int) -> list[list[int]]:
 
 def complete(url: str, model: str, prompt: list[int], **extra) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    # As the router does: engines act on kv_transfer_params only from holders of the internal key.
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60, headers=internal_headers())
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -241,7 +244,8 @@ def test_a_hung_prefill_times_out_and_an_abort_while_pulling_frees_the_blocks(tc
     prompt = prompts(8, vocab)[-1]
     params = {"do_remote_prefill": True, "remote_engine_id": "hung", "remote_request_id": "nothing",
               "remote_block_ids": list(range(len(prompt) // BLOCK + 1)), "remote_host": "127.0.0.1",
-              "remote_port": hung.getsockname()[1], "remote_tp_size": 1, "transport": "tcp"}
+              "remote_port": hung.getsockname()[1], "remote_tp_size": 1, "transport": "tcp",
+              "prompt_digest": prompt_digest(prompt)}
     try:
         start = time.monotonic()
         got = complete(decode.url, model, prompt, kv_transfer_params=params)
@@ -250,10 +254,11 @@ def test_a_hung_prefill_times_out_and_an_abort_while_pulling_frees_the_blocks(tc
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
         usage_before = stats(decode)["vllm:kv_cache_usage_perc"]
+        other = prompts(9, vocab)[-1]
         with pytest.raises(httpx.ReadTimeout):  # the client gives up while the pull hangs
-            httpx.post(f"{decode.url}/v1/completions", timeout=1, json={
-                "model": model, "prompt": prompts(9, vocab)[-1], "max_tokens": 4,
-                "kv_transfer_params": dict(params, remote_request_id="other")})
+            httpx.post(f"{decode.url}/v1/completions", timeout=1, headers=internal_headers(), json={
+                "model": model, "prompt": other, "max_tokens": 4,
+                "kv_transfer_params": dict(params, remote_request_id="other", prompt_digest=prompt_digest(other))})
         assert stats(decode)["pdserve:num_requests_waiting_for_remote_kvs"] == 1
         wait_for(lambda: stats(decode)["pdserve:num_requests_waiting_for_remote_kvs"] == 0, 15, "pull never ended")
         wait_for(lambda: stats(decode)["vllm:kv_cache_usage_perc"] == usage_before, 5, "blocks leaked")
@@ -263,12 +268,13 @@ def test_a_hung_prefill_times_out_and_an_abort_while_pulling_frees_the_blocks(tc
 
 def test_blocks_the_prefill_does_not_hold_are_recomputed(tcp_pool, model, vocab):
     prefill, decode = tcp_pool[0], tcp_pool[1]
-    a, b = prompts(10, vocab)[-2:]
+    a = prompts(10, vocab)[-2]
     first = complete(prefill.url, model, a, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    wrong = dict(first["kv_transfer_params"], remote_block_ids=[9999] * len(b))  # not the request's blocks
+    params = first["kv_transfer_params"]
+    wrong = dict(params, remote_block_ids=[9999] * len(params["remote_block_ids"]))  # not the request's blocks
     before = stats(decode)
-    got = complete(decode.url, model, b, kv_transfer_params=wrong)
-    assert got["choices"][0]["text"] == complete(prefill.url, model, b)["choices"][0]["text"]
+    got = complete(decode.url, model, a, kv_transfer_params=wrong)
+    assert got["choices"][0]["text"] == complete(prefill.url, model, a)["choices"][0]["text"]
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert stats(decode)["pdserve:kv_transfer_failures_total"] == before["pdserve:kv_transfer_failures_total"] + 1
     # the decode side said it was done with `a`: the prefill engine lets its blocks go
@@ -278,8 +284,8 @@ def test_blocks_the_prefill_does_not_hold_are_recomputed(tcp_pool, model, vocab)
 def test_chat_through_the_openai_sdk(tcp_pool, model):
     prefill, decode, _, _ = tcp_pool
     messages = [{"role": "user", "content": "hello there, " * 12}]
-    p = openai.OpenAI(base_url=prefill.base_url, api_key="none")
-    d = openai.OpenAI(base_url=decode.base_url, api_key="none")
+    p = openai.OpenAI(base_url=prefill.base_url, api_key="none", default_headers=internal_headers())
+    d = openai.OpenAI(base_url=decode.base_url, api_key="none", default_headers=internal_headers())
     first = p.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0,
                                       extra_body={"kv_transfer_params": {"do_remote_decode": True}})
     params = first.model_extra["kv_transfer_params"]

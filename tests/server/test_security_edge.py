@@ -293,3 +293,25 @@ def test_an_insecure_engine_starts_and_says_so(model, tmp_path):
         resp = httpx.post(f"{server.base_url}/completions", json=completion(), timeout=60)
         assert resp.status_code == 200
         assert "WITHOUT the internal key" in server.log()
+
+
+# -- malformed bodies are 4xx, never 500 ----------------------------------------------------------------
+
+
+async def test_malformed_bodies_get_a_4xx_not_a_500(engine):
+    async def chunks():
+        for _ in range(10):
+            yield b"x" * 500
+
+    async with asgi_client(build_app(engine, ServerSettings(max_body_bytes=2000))) as client:
+        surrogate = await client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}')
+        paired = await client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+        chunked = await client.post("/v1/completions", content=chunks())  # no Content-Length: counted as it comes
+    async with asgi_client(build_app(engine, ServerSettings())) as client:
+        deep = await client.post("/v1/completions", content=b'{"stop": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        healthy = await client.post("/v1/completions", json=completion())
+    assert surrogate.status_code == 400 and "surrogate" in surrogate.json()["error"]["message"]
+    assert paired.status_code == 200  # an escaped pair is a real character
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+    assert healthy.status_code == 200
