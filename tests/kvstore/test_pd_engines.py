@@ -352,6 +352,14 @@ def test_kvstore_connector_and_its_faults(model, vocab, tmp_path):
             model, tmp_path, ["--kv-transfer-config", json.dumps(dict(config, kv_role="kv_producer"))],
             ["--kv-transfer-config", json.dumps(dict(config, kv_role="kv_consumer"))]) as (prefill, decode):
         check_parity(prefill, decode, model, 21, vocab, "kvstore")
+        # Prompt X's params sent with prompt Y load nothing of X: the store is read by Y's own
+        # prefix hashes. Y then answers exactly as one engine does, with or without params.
+        x, y = prompts(25, vocab)[-2:]
+        first, _ = disaggregated(prefill, decode, model, x)
+        poisoned = complete(decode.url, model, y, kv_transfer_params=first["kv_transfer_params"])
+        want = complete(prefill.url, model, y)["choices"][0]["text"]
+        assert poisoned["choices"][0]["text"] == want
+        assert complete(decode.url, model, y)["choices"][0]["text"] == want
         # The store is a prefix cache for every engine: a second consumer-side request of a
         # prompt the prefill engine computed loads it too, without any kv_transfer_params.
         prompt = prompts(22, vocab)[-1]
