@@ -442,6 +442,25 @@ def test_another_prompts_kv_never_poisons_the_decode_engine(pair, transport):
         assert text(complete(pair.decode, pair.model, y)) == want
 
 
+def test_params_from_a_client_never_make_the_decode_engine_connect_anywhere(pair):
+    """SSRF: params naming an arbitrary host:port. Without the key they are refused at the edge;
+    with the key but for another prompt the connector refuses them before any connection."""
+    prompt = [5 + i % 40 for i in range(40)]
+    params = prefill_params(pair, prompt)
+    with socket.create_server(("127.0.0.1", 0)) as target:
+        target.settimeout(2.0)
+        aimed = dict(params, remote_host="127.0.0.1", remote_port=target.getsockname()[1], remote_tp_size=1,
+                     transport="tcp")
+        aimed.pop("remote_ports", None)
+        body = {"model": pair.model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "kv_transfer_params": aimed}
+        refused = httpx.post(f"{pair.decode.url}/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 403, refused.text
+        other = complete(pair.decode, pair.model, [7] * 40, kv_transfer_params=aimed)  # the key, another prompt
+        assert other.status_code in (200, 400), other.text
+        with pytest.raises(socket.timeout):
+            target.accept()
+
+
 def test_side_channel_refuses_peers_without_the_key_and_floods(pair):
     prompt = [7 + i % 40 for i in range(60)]
     params = prefill_params(pair, prompt)

@@ -28,6 +28,7 @@ import openai
 import pytest
 import zmq
 
+from pdserve.engine import internal_auth
 from support.server import ServerProcess, free_port, wait_healthy
 
 MODEL = "tiny"
@@ -425,6 +426,8 @@ class FeedPublisher:
         self.pending_events: list[dict] = []  # block events for the next message (sockets are single-thread)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
+        # As the coordinator's: routers subscribe only with the internal key (CURVE).
+        internal_auth.secure_server(self.socket, internal_auth.load_internal_key())
         self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"127.0.0.1:{self.port}"
         self.running = True
@@ -445,6 +448,7 @@ class FeedPublisher:
         self.running = False
         self.thread.join()
         self.socket.close(0)
+        internal_auth.stop_authenticator(self.context)
         self.context.term()
 
 
