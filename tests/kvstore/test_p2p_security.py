@@ -13,8 +13,6 @@ import random
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ from pdserve.kvstore.send_registry import SendRegistry
 from pdserve.kvstore.transport_tcp import (HELLO_MAGIC, MAX_CONNECTIONS_PER_PEER, AuthenticationError, BlockClient,
                                            BlockServer, HeldKV, TransferError)
 from support.auth import internal_headers
-from support.server import ServerProcess, free_port, wait_healthy
+from support.server import ServerProcess, free_port, launch_server, p2p_config, wait_healthy
 
 BLOCK = 16
 PROMPT = list(range(100, 150))  # 50 tokens: 4 blocks
@@ -340,19 +338,8 @@ def test_no_nixl_metadata_without_the_key(side_channel):
 
 # -- real engines ------------------------------------------------------------------------------------
 
-def p2p(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "p2p", "kv_role": role, "kv_connector_extra_config": extra})
-
-
 def start(model: str, tmp: Path, *args: str) -> ServerProcess:
-    port = free_port()
-    log_path = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--num-kv-blocks", "128", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONSAFEPATH="1"))
-    return ServerProcess(proc, port, log_path)
+    return launch_server(model, "--max-model-len", "512", "--num-kv-blocks", "128", *args, tmp_path=tmp)
 
 
 @pytest.fixture(scope="module")
@@ -361,8 +348,8 @@ def pair(model_dir, tmp_path_factory):
     side takes TCP for params that say so)."""
     model = model_dir("llama")
     tmp = tmp_path_factory.mktemp("p2p-security")
-    engines = [start(model, tmp, "--kv-transfer-config", p2p("kv_producer", abort_timeout_s=8)),
-               start(model, tmp, "--kv-transfer-config", p2p("kv_consumer", pull_timeout_s=3))]
+    engines = [start(model, tmp, "--kv-transfer-config", p2p_config("kv_producer", abort_timeout_s=8)),
+               start(model, tmp, "--kv-transfer-config", p2p_config("kv_consumer", pull_timeout_s=3))]
     try:
         for e in engines:
             wait_healthy(e.url, e.proc, e.log_path)

@@ -27,26 +27,15 @@ import pytest
 
 from pdserve.kvstore.binding import prompt_digest
 from support.auth import internal_headers
-from support.server import ServerProcess, free_port, wait_healthy
+from support.server import ServerProcess, free_port, launch_server, p2p_config, wait_healthy
 
 BLOCK = 16
 LENGTHS = [5, 16, 17, 31, 32, 33, 47, 64, 65, 70, 100, 130]  # mixed, some block-aligned, one > 4 blocks
 MAX_TOKENS = 8
 
 
-def p2p(role: str, **extra) -> str:
-    return json.dumps({"kv_connector": "p2p", "kv_role": role, "kv_connector_extra_config": extra})
-
-
 def start(model: str, tmp_path: Path, *args: str) -> ServerProcess:
-    port = free_port()
-    log_path = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--num-kv-blocks", "256", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONSAFEPATH="1"))
-    return ServerProcess(proc, port, log_path)
+    return launch_server(model, "--max-model-len", "512", "--num-kv-blocks", "256", *args, tmp_path=tmp_path)
 
 
 def stop(server: ServerProcess) -> None:
@@ -156,10 +145,10 @@ def vocab(model):
 def tcp_pool(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tcp")
     with servers(model, tmp,
-                 ["--kv-transfer-config", p2p("kv_producer", transport="tcp", abort_timeout_s=4)],
-                 ["--kv-transfer-config", p2p("kv_consumer", transport="tcp", pull_timeout_s=3)],
-                 ["--kv-transfer-config", p2p("kv_producer", transport="tcp"), "--tensor-parallel-size", "2"],
-                 ["--kv-transfer-config", p2p("kv_consumer", transport="tcp"), "--tensor-parallel-size", "2"],
+                 ["--kv-transfer-config", p2p_config("kv_producer", transport="tcp", abort_timeout_s=4)],
+                 ["--kv-transfer-config", p2p_config("kv_consumer", transport="tcp", pull_timeout_s=3)],
+                 ["--kv-transfer-config", p2p_config("kv_producer", transport="tcp"), "--tensor-parallel-size", "2"],
+                 ["--kv-transfer-config", p2p_config("kv_consumer", transport="tcp"), "--tensor-parallel-size", "2"],
                  ) as pool:
         yield pool
 
@@ -214,7 +203,7 @@ def test_blocks_nobody_pulls_are_freed_after_the_abort_timeout(tcp_pool, model, 
 
 def test_decode_recomputes_when_the_prefill_engine_dies_before_the_pull(tcp_pool, model, vocab, tmp_path):
     decode = tcp_pool[1]
-    with servers(model, tmp_path, ["--kv-transfer-config", p2p("kv_producer", transport="tcp")]) as (doomed,):
+    with servers(model, tmp_path, ["--kv-transfer-config", p2p_config("kv_producer", transport="tcp")]) as (doomed,):
         prompt = prompts(5, vocab)[-1]
         first = complete(doomed.url, model, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         os.killpg(doomed.proc.pid, signal.SIGKILL)
@@ -297,7 +286,7 @@ def test_chat_through_the_openai_sdk(tcp_pool, model):
 
 
 def test_bad_kv_transfer_config_is_a_clear_start_up_error(model):
-    for config, message in ((p2p("kv_producer", transport="rdma"), "transport must be one of"),
+    for config, message in ((p2p_config("kv_producer", transport="rdma"), "transport must be one of"),
                             ('{"kv_connector": "lmcache"}', "unknown kv_connector 'lmcache'")):
         result = subprocess.run([sys.executable, "-m", "pdserve", "serve", "--model", model,
                                  "--kv-transfer-config", config], capture_output=True, text=True, timeout=120,
@@ -309,8 +298,8 @@ def test_bad_kv_transfer_config_is_a_clear_start_up_error(model):
 # -- p2p over NIXL ----------------------------------------------------------------------------------
 
 def test_p2p_nixl_output_equals_one_engine(model, vocab, tmp_path):
-    with servers(model, tmp_path, ["--kv-transfer-config", p2p("kv_producer", transport="nixl")],
-                 ["--kv-transfer-config", p2p("kv_consumer", transport="nixl")]) as (prefill, decode):
+    with servers(model, tmp_path, ["--kv-transfer-config", p2p_config("kv_producer", transport="nixl")],
+                 ["--kv-transfer-config", p2p_config("kv_consumer", transport="nixl")]) as (prefill, decode):
         results = check_parity(prefill, decode, model, 11, vocab, "p2p")
         assert {first["kv_transfer_params"]["transport"] for first, _ in results} == {"nixl"}
         wait_for(lambda: stats(prefill)["pdserve:kv_blocks_held_for_remote"] == 0, 10, "prefill blocks still held")

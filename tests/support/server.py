@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -77,10 +78,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: floa
     raise TimeoutError(f"server not healthy after {timeout}s:\n{log_path.read_text(errors='replace')}")
 
 
-@contextmanager
-def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str | None] | None = None
-               ) -> Iterator[ServerProcess]:
-    """`env` entries override the test's environment; a None value removes the variable."""
+def launch_server(model: str, *args: str, tmp_path: Path, env: dict[str, str | None] | None = None
+                  ) -> ServerProcess:
+    """`pdserve serve` started on a free port, not waited for. `env` entries override the test's
+    environment; a None value removes the variable."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     cmd = [sys.executable, "-m", "pdserve", "serve", "--model", model, "--port", str(port), "--dtype", "float32", *args]
@@ -92,7 +93,19 @@ def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str | None
             full_env[name] = value
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    server = ServerProcess(proc, port, log_path)
+    return ServerProcess(proc, port, log_path)
+
+
+def p2p_config(role: str, **extra) -> str:
+    """--kv-transfer-config of the p2p connector."""
+    return json.dumps({"kv_connector": "p2p", "kv_role": role, "kv_connector_extra_config": extra})
+
+
+@contextmanager
+def run_server(model: str, *args: str, tmp_path: Path, env: dict[str, str | None] | None = None
+               ) -> Iterator[ServerProcess]:
+    server = launch_server(model, *args, tmp_path=tmp_path, env=env)
+    proc, log_path = server.proc, server.log_path
     try:
         wait_healthy(server.url, proc, log_path)
         yield server
