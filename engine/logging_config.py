@@ -10,7 +10,9 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+from typing import Any
 
 
 class _TextFormatter(logging.Formatter):
@@ -39,3 +41,25 @@ def configure_logging(level: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+class RateLimitedWarning:
+    """A warning logged at most once per interval, counting what it held back; a flood of bad
+    peers must not flood the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = float("-inf")
+        self._held_back = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._held_back += 1
+                return
+            held_back, self._held_back, self._last = self._held_back, 0, now
+        suffix = f" ({held_back} more like it not logged)" if held_back else ""
+        self.logger.warning(message + suffix, *args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pdserve.engine import internal_auth
+from pdserve.engine.logging_config import RateLimitedWarning
 from pdserve.kvstore import protocol
 from pdserve.kvstore.protocol import Limits, ProtocolError, ReplyHeader, RequestHeader
 from pdserve.kvstore.store import BlockStore, ValueTooLarge
@@ -59,24 +59,6 @@ class ServiceError(RuntimeError):
     """The service cannot start (a port taken, an address that does not resolve)."""
 
 
-class _RateLimitedWarning:
-    """At most one warning line per `interval_s`; the lines in between are counted, not lost."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
-        self._last = float("-inf")
-        self._suppressed = 0
-
-    def __call__(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            self._suppressed += 1
-            return
-        suffix = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
-        log.warning("%s%s", message, suffix)
-        self._last, self._suppressed = now, 0
-
-
 class KVStoreService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
@@ -84,7 +66,7 @@ class KVStoreService:
         self.errors = 0
         self.requests: Counter[str] = Counter()
         self._stop = threading.Event()
-        self._warn = _RateLimitedWarning()
+        self._warn = RateLimitedWarning(log)
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 200)
@@ -183,7 +165,7 @@ class KVStoreService:
 
     def _error(self, request_id: int, message: str) -> list[Any]:
         self.errors += 1
-        self._warn(f"kvstore refused a request: {message}")
+        self._warn("kvstore refused a request: %s", message)
         return [protocol.encode(ReplyHeader(request_id, False, error=message))]
 
     def stats(self) -> dict[str, int]:

@@ -33,6 +33,7 @@ import msgspec
 import torch
 
 from pdserve.engine.internal_auth import NONCE_BYTES, PROOF_BYTES, load_internal_key, new_nonce, proof, proof_matches
+from pdserve.engine.logging_config import RateLimitedWarning
 from pdserve.kvstore.block_io import KVLayout, as_bytes, head_slice, whole_block_views, write_head_slice
 from pdserve.kvstore.send_registry import ReadRefused, SendRegistry, UnknownRequest
 
@@ -144,28 +145,6 @@ def client_handshake(sock: socket.socket, key: bytes | None, deadline: float) ->
                                   "this engine's internal key") from None
     if not proof_matches(key, "server", client_nonce, bytes(answer)):
         raise AuthenticationError("the peer does not hold this engine's internal key")
-
-
-class RateLimitedWarning:
-    """A warning logged at most once per interval, counting what it held back; a flood of bad
-    peers must not flood the log."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self.logger = logger
-        self.interval_s = interval_s
-        self._last = float("-inf")
-        self._held_back = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, message: str, *args: Any) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.interval_s:
-                self._held_back += 1
-                return
-            held_back, self._held_back, self._last = self._held_back, 0, now
-        suffix = f" ({held_back} more like it not logged)" if held_back else ""
-        self.logger.warning(message + suffix, *args)
 
 
 # -- checks of a peer's message (after the handshake; a bad one is answered, never fatal) -----------

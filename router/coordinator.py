@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from pdserve.engine import internal_auth
 from pdserve.engine.core.load_reporter import MAX_REPORT_BYTES, LoadReport, tcp_endpoint
+from pdserve.engine.logging_config import RateLimitedWarning
 from pdserve.router.coordinator_state import Ignored, LoadBook
 
 log = logging.getLogger("pdserve.coordinator")
@@ -79,7 +80,7 @@ class Coordinator:
         self._decoder = msgspec.msgpack.Decoder(LoadReport)
         self._encoder = msgspec.msgpack.Encoder()
         self._json = msgspec.json.Encoder()
-        self._last_malformed_warning = -float("inf")
+        self._warn_malformed = RateLimitedWarning(log)  # a flood of garbage must not flood the log
 
     # -- reports in ---------------------------------------------------------------------------
 
@@ -90,7 +91,7 @@ class Coordinator:
                 raise ValueError(f"{len(frames)} frames")
             report = self._decoder.decode(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            self._warn_malformed(exc)
+            self._warn_malformed("ignoring a malformed message on the stats socket: %s", exc)
             reason: Ignored | None = Ignored.MALFORMED
         else:
             dropped_before = dict(self.book.hashes_dropped)
@@ -103,12 +104,6 @@ class Coordinator:
         else:
             self.metrics.ignored.labels(reason.value).inc()
         return reason
-
-    def _warn_malformed(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if now - self._last_malformed_warning >= 10.0:  # a flood of garbage must not flood the log
-            self._last_malformed_warning = now
-            log.warning("ignoring a malformed message on the stats socket: %s", exc)
 
     async def _receive(self, pull: zmq.asyncio.Socket, wake: asyncio.Event) -> None:
         handled = 0
