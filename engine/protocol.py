@@ -35,6 +35,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Mixed into the first block's hash so tenants can opt out of sharing a prefix cache.
     cache_salt: str | None = None
     client_index: int = 0
+    # The data-parallel rank a router pinned the request to (a DP pod's client reads it; cores ignore it).
+    data_parallel_rank: int | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -90,6 +92,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     dp_dummy_steps: int = 0  # cumulative: steps run only to keep pace with busy ranks
     dp_step_seconds: float = 0.0  # cumulative time of those steps
     dp_dummy_seconds: float = 0.0
+    # Cumulative: a decode side's renewals of prefill engines' KV leases that failed (p2p).
+    kv_lease_renewal_failures: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, gc=False):

@@ -6,9 +6,10 @@ remote decode, and describes that to the workers in per-step metadata. The worke
 every tensor-parallel worker: it owns the transfers into and out of that rank's KV cache tensors
 and reports which requests finished sending or receiving.
 
-The engine calls the scheduler side at admission (`get_num_new_matched_tokens`), after
-allocation (`update_state_after_alloc`), when building a step (`build_connector_meta`), and when a
-request finishes (`request_finished`); the worker side before the forward (`start_load_kv`), per
+The engine calls the scheduler side when a request arrives (`request_added`), at admission
+(`get_num_new_matched_tokens`), after allocation (`update_state_after_alloc`), when building a
+step (`build_connector_meta`), when a request finishes (`request_finished`), and when the router
+releases held KV (`release_held`); the worker side before the forward (`start_load_kv`), per
 layer (`wait_for_layer_load`, `save_kv_layer`), after the forward (`wait_for_save`) and at the end
 of the step (`get_finished`). Every transport, store and timeout lives behind these calls.
 """
@@ -40,7 +41,8 @@ class KVConnectorStats:
     bytes: int = 0
     seconds: float = 0.0
     failures: int = 0
-    expired: int = 0  # blocks held for a remote decode that never came, freed on timeout
+    expired: int = 0  # blocks held for a remote decode that never came, freed when their lease ran out
+    lease_renewal_failures: int = 0  # a decode side's renewals of a prefill's hold that failed
 
     def add(self, other: "KVConnectorStats") -> None:
         self.transfers += other.transfers
@@ -48,9 +50,10 @@ class KVConnectorStats:
         self.seconds += other.seconds
         self.failures += other.failures
         self.expired += other.expired
+        self.lease_renewal_failures += other.lease_renewal_failures
 
     def __bool__(self) -> bool:
-        return bool(self.transfers or self.bytes or self.failures or self.expired)
+        return bool(self.transfers or self.bytes or self.failures or self.expired or self.lease_renewal_failures)
 
 
 @dataclass
@@ -119,6 +122,16 @@ class KVConnectorBase:
         """The request is done. Returns (delay_free, kv_transfer_params): with delay_free the
         scheduler keeps its blocks until the workers report it as done sending."""
         return False, None
+
+    def request_added(self, request: "Request") -> None:
+        """A request entered the scheduler (it may wait in the queue a while before admission):
+        a connector that keeps remote KV alive for it starts here."""
+
+    def release_held(self, request: "Request", prompt_digest: str) -> bool:
+        """The router says nobody will pull this finished request's KV: let its held blocks go
+        now. False when the digest is not the request's prompt's. The scheduler frees the blocks
+        once the workers report the request as done sending."""
+        return False
 
     def set_worker_info(self, infos: list[dict[str, Any]]) -> None:
         """What each worker rank said about itself at start-up (e.g. its side-channel port)."""

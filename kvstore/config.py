@@ -10,6 +10,9 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 EXTRA_KEYS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "p2p": {
         "transport": (str, "auto"),  # auto | nixl | tcp
+        # Seconds a finished prefill's blocks wait for their decode engine without a renewal
+        # (decode engines renew while the request waits); `abort_timeout_s` is its older name.
+        "kv_lease_duration": ((int, float), None),
         "abort_timeout_s": ((int, float), 30.0),
         "side_channel_port": (int, 0),  # rank r listens on port + r; 0 picks free ports
         "side_channel_host": (str, ""),  # where we listen and decode engines reach us; default: the advertised host
@@ -87,8 +90,14 @@ def parse_kv_transfer_config(raw: dict[str, Any] | None) -> KVTransferConfig | N
         if extra["transport"] not in TRANSPORTS:
             raise KVTransferConfigError(f"--kv-transfer-config: transport must be one of {', '.join(TRANSPORTS)}; "
                                         f"got {extra['transport']!r}")
-        if extra["abort_timeout_s"] <= 0 or extra["pull_timeout_s"] <= 0:
-            raise KVTransferConfigError("--kv-transfer-config: abort_timeout_s and pull_timeout_s must be positive")
+        lease, alias = given.get("kv_lease_duration"), given.get("abort_timeout_s")
+        if lease is not None and alias is not None and lease != alias:
+            raise KVTransferConfigError("--kv-transfer-config: kv_lease_duration and its older name abort_timeout_s "
+                                        "disagree; give kv_lease_duration only")
+        extra["kv_lease_duration"] = extra["abort_timeout_s"] = lease if lease is not None else extra["abort_timeout_s"]
+        if extra["kv_lease_duration"] <= 0 or extra["pull_timeout_s"] <= 0:
+            raise KVTransferConfigError("--kv-transfer-config: kv_lease_duration (abort_timeout_s) and "
+                                        "pull_timeout_s must be positive")
         if not 0 <= extra["side_channel_port"] < 65536:
             raise KVTransferConfigError("--kv-transfer-config: side_channel_port must be in [0, 65535]")
     if connector == "kvstore" and not str(extra["kvstore_url"]).startswith("tcp://"):

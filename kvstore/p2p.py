@@ -1,14 +1,18 @@
 """The p2p connector: a decode engine pulls a prompt's KV straight out of the prefill engine's cache.
 
-Prefill side: a finished request marked `do_remote_decode` keeps its blocks; its answer carries
-where they are (`remote_host`, one side-channel port per TP rank, the block ids). Each prefill
-worker rank serves reads of held blocks and frees them when every reader is done, or after
-`abort_timeout_s` with no read in progress.
+Prefill side: a finished request marked `do_remote_decode` keeps its blocks under a lease of
+`kv_lease_duration` seconds; its answer carries where they are (`remote_host`, one side-channel
+port per TP rank, the block ids, the lease). Each prefill worker rank serves reads of held blocks
+and frees them when every reader is done, when the router releases them (`release_held`: the
+decode leg will not pull), or when the lease runs out with no read in progress.
 
-Decode side: a request marked `do_remote_prefill` waits in WAITING_FOR_REMOTE_KVS while each
-worker rank pulls the heads it owns from the prefill ranks that hold them (kvstore.layout), off
-the model's thread. Whatever goes wrong (the prefill engine gone, blocks expired, a timeout),
-the request comes back with its local prefix only and is recomputed.
+Decode side: from the moment the scheduler learns of a request marked `do_remote_prefill` (it may
+wait in the queue), every worker rank renews the prefill's lease (kvstore.lease_keeper) until its
+pull ends. The request waits in WAITING_FOR_REMOTE_KVS while each worker rank pulls the heads it
+owns from the prefill ranks that hold them (kvstore.layout), off the model's thread. Whatever goes
+wrong (the prefill engine gone, blocks expired, a timeout), the request comes back with its local
+prefix only and is recomputed. A request that will not pull after all (aborted while it waited,
+or its whole prompt cached here) tells the prefill engine so, and the blocks go at once.
 
 Nothing a peer sends is trusted: kv_transfer_params are checked here again (the scheduler must
 never raise on them, whatever the HTTP edge let through) and must name this very prompt (its
@@ -23,13 +27,14 @@ import logging
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kvstore.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, LoadLog
 from pdserve.kvstore.binding import digests_match, is_digest, prompt_digest
 from pdserve.kvstore.config import KVTransferConfig
 from pdserve.kvstore.layout import done_messages_expected, plan_head_reads, ranks_to_release, tp_size_problem
+from pdserve.kvstore.lease_keeper import LeaseKeeper, LeaseWatch
 from pdserve.kvstore.send_registry import SendRegistry
 
 if TYPE_CHECKING:
@@ -46,6 +51,7 @@ PARAM_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remo
               "prompt_digest")
 MAX_TEXT = 256  # ids are uuids and request ids; anything longer is not ours
 MAX_BLOCK_ID = 2**31 - 1
+MAX_LEASE_S = 86400.0  # a lease a prefill engine claims in its params; longer is not ours
 TRANSPORTS = ("tcp", "nixl")
 _HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")  # a host name, an IPv4 or an IPv6 address
 
@@ -62,6 +68,7 @@ class PullSource:
     tp_size: int
     transport: str
     prompt_digest: str
+    lease_s: float | None = None  # the prefill's lease (kv_lease_duration), when its params say
 
 
 @dataclass
@@ -91,6 +98,9 @@ class SendSpec:
 class P2PMetadata:
     recv: list[RecvSpec] = field(default_factory=list)
     send: list[SendSpec] = field(default_factory=list)
+    watch: list[LeaseWatch] = field(default_factory=list)  # decode: will pull; renew until the pull ends
+    drop: list[str] = field(default_factory=list)  # decode: will not pull after all; release the holds
+    release: list[tuple[str, str]] = field(default_factory=list)  # prefill: (request id, digest) to free now
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
@@ -151,10 +161,13 @@ def parse_pull_params(params: dict[str, Any], prompt_token_ids: list[int], block
     digest = params["prompt_digest"]
     if not is_digest(digest):
         return "prompt_digest must be 64 hex digits"
+    lease = params.get("kv_lease_duration")
+    if lease is not None and (type(lease) not in (int, float) or not 0 < lease <= MAX_LEASE_S):
+        return f"kv_lease_duration must be a number of seconds in (0, {MAX_LEASE_S:g}]"
     if not digests_match(prompt_digest(prompt_token_ids), digest):
         return "they belong to another prompt (prompt_digest differs)"
     return PullSource(params["remote_engine_id"], params["remote_request_id"], list(blocks), host, ports, tp,
-                      transport, digest)
+                      transport, digest, None if lease is None else float(lease))
 
 
 class P2PConnector(KVConnectorBase):
@@ -165,11 +178,17 @@ class P2PConnector(KVConnectorBase):
         self.tp_size = config.parallel.tensor_parallel_size
         self.total_kv_heads = config.model.num_key_value_heads
         self.block_size = config.cache.block_size
-        self.abort_timeout_s = float(kv_config.extra["abort_timeout_s"])
+        # How long held blocks wait for their decode engine without a renewal (`abort_timeout_s`
+        # is the name older configs use).
+        self.lease_s = float(kv_config.extra.get("kv_lease_duration") or kv_config.extra["abort_timeout_s"])
         self.pull_timeout_s = float(kv_config.extra["pull_timeout_s"])
         # scheduler side
         self._recv: list[RecvSpec] = []
         self._send: list[SendSpec] = []
+        self._watch: list[LeaseWatch] = []
+        self._drop: list[str] = []
+        self._to_release: list[tuple[str, str]] = []
+        self._watched: set[str] = set()  # decode requests whose leases the workers renew, not yet pulling
         self._ports: list[int] = []
         self._transport = "tcp"
         self.host = side_channel_host(kv_config.extra["side_channel_host"], config.advertise_address)
@@ -177,6 +196,7 @@ class P2PConnector(KVConnectorBase):
         self.registry = SendRegistry()
         self.server = None
         self.client = None
+        self.keeper: LeaseKeeper | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._to_load: list[RecvSpec] = []
         self.loads = LoadLog()
@@ -202,6 +222,35 @@ class P2PConnector(KVConnectorBase):
         params = request.kv_transfer_params
         request.kv_transfer_params = dict(params if isinstance(params, dict) else {}, do_remote_prefill=False)
 
+    def request_added(self, request: "Request") -> None:
+        # Runs in the scheduler: nothing may escape. Bad params are dealt with at admission.
+        try:
+            source = self._pull_source(request)
+        except Exception:
+            return
+        if not isinstance(source, PullSource):
+            return
+        lease = source.lease_s or self.lease_s
+        self._watch.append(LeaseWatch(request.request_id, source.request_id, source.prompt_digest, source.host,
+                                      tuple(source.ports), lease))
+        self._watched.add(request.request_id)
+
+    def _will_not_pull(self, request_id: str) -> None:
+        """A watched request ends its wait without a pull: the prefill engine may free its KV now."""
+        if request_id in self._watched:
+            self._watched.discard(request_id)
+            self._drop.append(request_id)
+
+    def release_held(self, request: "Request", prompt_digest_: str) -> bool:
+        if not self.kv.is_producer or not digests_match(prompt_digest(request.prompt_token_ids), prompt_digest_):
+            return False
+        self._to_release.append((request.request_id, prompt_digest_))
+        return True
+
+    def has_pending_work(self) -> bool:
+        # Metadata waiting for the workers: a release on an idle engine must still reach them.
+        return bool(self._recv or self._send or self._watch or self._drop or self._to_release)
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         # Runs in the scheduler: a raise here would take the engine down, so nothing may escape.
         try:
@@ -219,7 +268,14 @@ class P2PConnector(KVConnectorBase):
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
+            if request.request_id in self._watched:
+                # Admitted with nothing to pull (the whole prompt was cached here): never pull later.
+                self._will_not_pull(request.request_id)
+                params = request.kv_transfer_params
+                request.kv_transfer_params = dict(params if isinstance(params, dict) else {}, do_remote_prefill=False)
             return
+        # The pull takes over: the workers renew the lease until it ends, then say "done".
+        self._watched.discard(request.request_id)
         # The request now waits for this load: whatever happens, a RecvSpec must go to the workers
         # (one with a problem fails at once), or it would wait forever.
         spec = RecvSpec(req_id=request.request_id, remote_req_id="", local_block_ids=[], remote_block_ids=[],
@@ -248,29 +304,30 @@ class P2PConnector(KVConnectorBase):
         request.kv_transfer_params = dict(params if isinstance(params, dict) else {}, do_remote_prefill=False)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2PMetadata | None:
-        if not self._recv and not self._send:
+        if not self.has_pending_work():
             return None
-        meta = P2PMetadata(self._recv, self._send)
-        self._recv, self._send = [], []
+        meta = P2PMetadata(self._recv, self._send, self._watch, self._drop, self._to_release)
+        self._recv, self._send, self._watch, self._drop, self._to_release = [], [], [], [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from pdserve.engine.request import RequestStatus
 
+        self._will_not_pull(request.request_id)  # aborted (or failed) while it waited in the queue
         params = request.kv_transfer_params
         if not (self.kv.is_producer and isinstance(params, dict) and params.get("do_remote_decode")) or not block_ids \
                 or request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
         # The KV belongs to this prompt: readers must name it, decode engines check it.
         digest = prompt_digest(request.prompt_token_ids)
-        self._send.append(SendSpec(request.request_id, list(block_ids), self.abort_timeout_s, digest))
+        self._send.append(SendSpec(request.request_id, list(block_ids), self.lease_s, digest))
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_config.engine_id, "remote_request_id": request.request_id,
             "remote_block_ids": list(block_ids),
             "remote_host": self.host, "remote_port": self._ports[0] if self._ports else 0,
             "remote_ports": list(self._ports), "remote_tp_size": self.tp_size, "transport": self._transport,
-            "prompt_digest": digest,
+            "prompt_digest": digest, "kv_lease_duration": self.lease_s,
         }
 
     # -- worker side ---------------------------------------------------------------------------
@@ -309,6 +366,8 @@ class P2PConnector(KVConnectorBase):
         if self.kv.is_consumer:
             self.client = BlockClient(kv_caches, self.pull_timeout_s, self.nixl, key=key)
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+            # Connections of its own: a renewal never waits behind a pull from the same peer.
+            self.keeper = LeaseKeeper(BlockClient(kv_caches, min(self.pull_timeout_s, 5.0), key=key))
         return info
 
     def bind_connector_metadata(self, metadata: P2PMetadata | None) -> None:
@@ -316,7 +375,27 @@ class P2PConnector(KVConnectorBase):
             return
         for spec in metadata.send:
             self.registry.hold(spec.req_id, spec.block_ids, spec.timeout_s, spec.prompt_digest)
+        for request_id, digest in metadata.release:
+            self.registry.release(request_id, digest)
+        if self.keeper is not None:
+            for watch in metadata.watch:
+                self._watch_lease(watch)
+            for request_id in metadata.drop:
+                # Rank 0 speaks for the engine: one "done" per prefill rank frees a hold nobody read.
+                self.keeper.drop(request_id, release=self.rank == 0)
         self._to_load.extend(metadata.recv)
+
+    def _watch_lease(self, watch: LeaseWatch) -> None:
+        """Renew at the prefill ranks this rank's pull will read or release (the other decode
+        ranks renew theirs), so one renewal reaches each rank that holds the request."""
+        try:
+            remote_tp = len(watch.ports)
+            reads = plan_head_reads(self.total_kv_heads, self.tp_size, self.rank, remote_tp)
+            ranks = {r.remote_rank for r in reads} | set(ranks_to_release(self.total_kv_heads, self.tp_size,
+                                                                          self.rank, remote_tp))
+        except ValueError:  # a plan the pull will refuse as well: renew nothing, it recomputes
+            return
+        self.keeper.watch(replace(watch, renew_ranks=tuple(sorted(ranks))))  # type: ignore[union-attr]
 
     def start_load_kv(self) -> None:
         if not self._to_load:
@@ -360,6 +439,8 @@ class P2PConnector(KVConnectorBase):
         finally:
             # Reported first: the request need not wait for the releases below.
             self.loads.ended(spec.req_id, moved, time.monotonic() - start, failed=failed)
+            if self.keeper is not None:
+                self.keeper.stop(spec.req_id)
         if error is not None:
             log.warning("kv transfer of %s failed, recomputing: %s", spec.req_id, error)
         if spec.problem:
@@ -391,6 +472,8 @@ class P2PConnector(KVConnectorBase):
         stats = self.loads.take_stats()
         stats.expired = self.registry.num_expired - self._expired_reported
         self._expired_reported = self.registry.num_expired
+        if self.keeper is not None:
+            stats.lease_renewal_failures = self.keeper.take_failures()
         if self.server is not None:
             sent = self.server.bytes_sent
             stats.bytes += sent - self._sent_reported
@@ -402,6 +485,9 @@ class P2PConnector(KVConnectorBase):
             self.server.close()
         if self.client is not None:
             self.client.close()
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper.client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -1,9 +1,12 @@
 """The prefill side's record of blocks kept for remote decodes.
 
-A finished prefill's blocks stay allocated until every reader has said it is done, or until the
-abort timeout passes with no read in progress. Reads hold a lease, so a timeout never frees
-blocks that are being copied out: the engine may reuse them only once `take_finished` has
-reported the request, and that never happens mid-read.
+A finished prefill's blocks stay allocated under a lease: until every reader has said it is done,
+until the router releases them (the decode leg will not pull), or until the lease runs out with
+no read in progress. The decode engine that will pull renews the lease while its request waits,
+so a long queue there never costs the KV, and a decode engine that is gone costs it one lease at
+most. Reads pin the blocks too, so an expiry or a release never frees blocks that are being
+copied out: the engine may reuse them only once `take_finished` has reported the request, and
+that never happens mid-read.
 
 Blocks belong to a prompt: each hold records the prompt's digest (kvstore.binding), and a reader
 must present the same digest, and name only blocks the request holds, to read, lease or release.
@@ -17,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pdserve.kvstore.binding import digests_match
+from pdserve.kvstore.binding import digests_match, is_digest
 
 # A "done" names how many readers to wait for; more than one per TP rank pair cannot be legal.
 MAX_EXPECTED_READERS = 64
@@ -29,13 +32,16 @@ class HeldBlocks:
     deadline: float
     digest: str = ""  # the prompt's digest; "" matches no reader
     block_set: frozenset[int] = field(default=frozenset())
+    lease_s: float = 0.0  # how far a renewal moves the deadline
     active_reads: int = 0
     done_messages: int = 0
     expected: int | None = None  # done messages to wait for, learned from the first one
+    abandoned: bool = False  # released by the router: no new read, freed once the current ones end
 
     @property
     def complete(self) -> bool:
-        return self.expected is not None and self.done_messages >= self.expected and self.active_reads == 0
+        wanted = self.abandoned or (self.expected is not None and self.done_messages >= self.expected)
+        return wanted and self.active_reads == 0
 
 
 class UnknownRequest(Exception):
@@ -77,17 +83,44 @@ class SendRegistry:
         self.num_blocks_expired = 0
 
     def hold(self, request_id: str, block_ids: list[int], timeout_s: float, digest: str) -> None:
+        """Keep the blocks for a lease of `timeout_s` seconds (renewable by readers of the prompt)."""
         with self._lock:
             self._held[request_id] = HeldBlocks(list(block_ids), self._clock() + timeout_s, digest,
-                                                frozenset(block_ids))
+                                                frozenset(block_ids), lease_s=timeout_s)
+
+    def renew(self, request_id: str, digest: str) -> bool:
+        """A decode engine still means to pull: the lease runs a full term from now. False when
+        the request was held and is no longer (expired, released) or `digest` is not its
+        prompt's. A request not registered yet (the step that holds it has not run here) is
+        True: its lease starts in full when it is."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None:
+                return request_id not in self._released and is_digest(digest)
+            if held.abandoned or not digests_match(held.digest, digest):
+                return False
+            held.deadline = max(held.deadline, self._clock() + held.lease_s)
+            return True
+
+    def release(self, request_id: str, digest: str) -> bool:
+        """Nobody will pull: free the blocks now, or as soon as the reads in progress end. True
+        when the request was held here for that prompt."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is None or held.abandoned or not digests_match(held.digest, digest):
+                return False
+            held.abandoned = True
+            if held.complete:
+                self._release(request_id)
+            return True
 
     def begin_read(self, request_id: str, digest: str, block_ids: Sequence[int]) -> None:
         """Lease the request's blocks for one read of `block_ids`; raises UnknownRequest, or
         ReadRefused when the digest is not the held prompt's or a block is not the request's."""
         with self._lock:
             held = self._held.get(request_id)
-            if held is None:
-                raise UnknownRequest(request_id, retry=request_id not in self._released)
+            if held is None or held.abandoned:
+                raise UnknownRequest(request_id, retry=held is None and request_id not in self._released)
             if not digests_match(held.digest, digest):
                 raise ReadRefused(f"request {request_id!r} holds the KV of another prompt")
             if not is_run_of(held.block_ids, held.block_set, block_ids):
@@ -119,7 +152,7 @@ class SendRegistry:
             return True
 
     def expire(self) -> int:
-        """Release requests past their deadline with no read in progress; returns how many."""
+        """Release requests whose lease ran out with no read in progress; returns how many."""
         now = self._clock()
         with self._lock:
             late = [r for r, h in self._held.items() if h.deadline <= now and h.active_reads == 0]

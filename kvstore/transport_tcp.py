@@ -14,6 +14,10 @@ nonce of its own, the server answers with its proof. Before that the server read
 fixed-size answer, within a few seconds, and nothing else; connections are bounded per peer
 address and in total. A decode engine checks the server's proof too, so it never takes KV (or
 answers anything) from a side channel that does not hold the key.
+
+Ops after the handshake: `layout`, `read` (the bytes follow the answer), `lease` (NIXL reads),
+`nixl_md`, `renew` (a decode engine still means to pull: a batch of [request id, digest] whose
+leases run a full term again) and `done` (a reader is finished, or will never read).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ MAX_REQUEST_MESSAGE = 1 << 20
 MAX_REPLY_MESSAGE = 64 << 20
 MAX_BLOCKS_PER_MESSAGE = 1 << 18
 MAX_TEXT = 1024
+MAX_LEASES_PER_RENEWAL = 4096  # a decode rank's batch to one peer; far above any engine's queue
 MAX_CONNECTIONS_PER_PEER = 32  # one decode rank keeps one; a pod's ranks and restarts stay far below
 MAX_CONNECTIONS = 256
 IOV_MAX = 512  # below Linux's 1024, leaving room
@@ -166,6 +171,18 @@ def _block_ids(message: dict[str, Any]) -> list[int]:
 
 def _held_kv(message: dict[str, Any]) -> HeldKV:
     return HeldKV(_text(message, "req"), _text(message, "digest"))
+
+
+def _leases(message: dict[str, Any]) -> list[HeldKV]:
+    value = message.get("leases")
+    if not isinstance(value, list) or len(value) > MAX_LEASES_PER_RENEWAL:
+        raise ValueError(f"leases must be a list of at most {MAX_LEASES_PER_RENEWAL} [request id, digest] pairs")
+    leases = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError("each lease must be a [request id, digest] pair")
+        leases.append(_held_kv({"req": item[0], "digest": item[1]}))
+    return leases
 
 
 def send_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -322,6 +339,12 @@ class BlockServer:
                 send_message(conn, {"ok": False, "error": "this engine does not serve NIXL", "retry": False})
             else:
                 send_message(conn, {"ok": True, "md": self.nixl.metadata()})
+        elif op == "renew":
+            # A decode engine that will pull these still wants them: each lease runs a full term
+            # again. Only a reader of the very prompt can keep its blocks alive.
+            missing = [h.request_id for h in _leases(message)
+                       if not self.registry.renew(h.request_id, h.prompt_digest)]
+            send_message(conn, {"ok": True, "missing": missing})
         elif op == "done":
             held = _held_kv(message)
             expected = message.get("expected", 1)
@@ -510,6 +533,29 @@ class BlockClient:
             except (OSError, ConnectionError, msgspec.DecodeError, TransferError, KeyError, TypeError) as exc:
                 self._drop(peer)
                 log.debug("could not release %s at %s: %s", held.request_id, peer, exc)
+
+    def renew(self, peer: tuple[str, int], leases: list[HeldKV]) -> list[str]:
+        """Renew the leases of held KV at one peer, in one message; returns the request ids the
+        peer no longer holds for those prompts (released, expired, or never held). Raises
+        TransferError when the peer cannot be asked."""
+        with self._peer_lock(peer):
+            deadline = time.monotonic() + self.timeout_s
+            try:
+                sock = self._connect(peer, deadline)
+                sock.settimeout(self.timeout_s)
+                send_message(sock, {"op": "renew", "leases": [[h.request_id, h.prompt_digest] for h in leases]})
+                reply = recv_message(sock)
+                if not reply.get("ok"):
+                    raise TransferError(str(reply.get("error")))
+                missing = reply.get("missing")
+                if not isinstance(missing, list):
+                    raise TransferError("the peer's renewal answer has no list of missing leases")
+                return [str(m) for m in missing]
+            except TransferError:
+                raise
+            except (OSError, ConnectionError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+                self._drop(peer)
+                raise TransferError(f"renewing {len(leases)} leases at {peer[0]}:{peer[1]} failed: {exc}") from exc
 
     def close(self) -> None:
         for peer in list(self._conns):

@@ -107,9 +107,11 @@ class EngineCore:
         if not self.has_work():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
         start = time.perf_counter()
+        # The connector's word for the workers, looked at before schedule() hands it over.
+        connector_pending = self.connector is not None and self.connector.has_pending_work()
         sched_output = self.scheduler.schedule()
         if sched_output.total_num_scheduled_tokens == 0:
-            if not self.scheduler.has_kv_transfers:
+            if not (connector_pending or self.scheduler.has_kv_transfers):
                 return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
             # Nothing to compute, but the workers must report transfers (and receive the
             # metadata that registers them).
@@ -134,7 +136,12 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Requests to run, or KV transfers to follow (blocks held for a remote decode)."""
-        return self.scheduler.has_unfinished_requests or self.scheduler.has_kv_transfers
+        return self.scheduler.has_unfinished_requests or self._has_kv_transfers()
+
+    def _has_kv_transfers(self) -> bool:
+        # The connector may have word for the workers with nothing else to do (a release, or an
+        # aborted request's lease to drop): a step must carry it, also on an idle engine.
+        return self.scheduler.has_kv_transfers or (self.connector is not None and self.connector.has_pending_work())
 
     # -- utility calls (reachable over the wire as UTILITY requests) ---------------------------
 
@@ -146,6 +153,16 @@ class EngineCore:
 
     def ping(self) -> str:
         return "pong"
+
+    def release_kv_hold(self, engine_id: str, request_id: str, prompt_digest: str) -> bool:
+        """The router says nobody will pull this finished prefill's KV: free its held blocks (on
+        every TP rank) with the next step rather than at the end of their lease. True when this
+        engine (`engine_id`: a data-parallel pod's ranks each have their own) holds them for that
+        prompt."""
+        request = self.scheduler.held_for_send.get(request_id)
+        if engine_id != self.config.engine_id or request is None or self.connector is None:
+            return False
+        return self.connector.release_held(request, prompt_digest)
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -101,6 +101,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:  # e.g. keep the prefill's KV alive while this waits its turn
+            self.connector.request_added(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (normally: abort) requests wherever they are; unknown ids are ignored."""
@@ -429,7 +431,8 @@ class Scheduler:
         s = self.kv_stats
         if s is not None:
             stats.update(kv_transfers=s.transfers, kv_transfer_bytes=s.bytes, kv_transfer_seconds=s.seconds,
-                         kv_transfer_failures=s.failures, kv_transfers_expired=s.expired)
+                         kv_transfer_failures=s.failures, kv_transfers_expired=s.expired,
+                         kv_lease_renewal_failures=s.lease_renewal_failures)
         return stats
 
     def reset_prefix_cache(self) -> bool:

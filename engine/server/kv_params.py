@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.engine.server.errors import APIError
@@ -18,6 +19,7 @@ from pdserve.engine.server.errors import APIError
 MAX_TP_SIZE = 64
 MAX_ID_CHARS = 256
 MAX_BLOCK_ID = 2**31 - 1
+MAX_LEASE_S = 86400
 TRANSPORTS = ("tcp", "nixl")
 # The store connectors' params say which connector made them and nothing else: their blocks are
 # found by the decode engine's own prefix hashes, so they are bound to its prompt by construction.
@@ -98,6 +100,12 @@ def _digest(field: str, value: Any) -> str:
     return value
 
 
+def _lease(field: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_LEASE_S:
+        raise _fail(field, f"must be a number of seconds in (0, {MAX_LEASE_S:g}]")
+    return float(value)
+
+
 def validate_kv_transfer_params(raw: Any, max_blocks: int) -> dict[str, Any]:
     """The params, checked and copied; raises APIError(400) naming the first bad field.
     `max_blocks`: the most blocks one request can hold (max_model_len / block_size, rounded up)."""
@@ -117,6 +125,7 @@ def validate_kv_transfer_params(raw: Any, max_blocks: int) -> dict[str, Any]:
         "transport": _transport,
         "prompt_digest": _digest,
         "kv_connector": _connector,
+        "kv_lease_duration": _lease,  # how long the prefill keeps the blocks without a renewal
     }
     unknown = sorted(set(raw) - set(checks))
     if unknown:
@@ -147,3 +156,25 @@ def check_blocks_fit_prompt(params: dict[str, Any], prompt_len: int, block_size:
     if not least <= count <= most:
         raise _fail("remote_block_ids", f"holds {count} blocks; a prompt of {prompt_len} tokens in blocks of "
                                         f"{block_size} needs {least}" + (f" to {most}" if most != least else ""))
+
+
+@dataclass(frozen=True)
+class KVRelease:
+    """A router's word that nobody will pull a prefill's held KV (POST /v1/kv/release)."""
+
+    engine_id: str  # names the data-parallel rank that holds it
+    request_id: str
+    prompt_digest: str
+
+
+def validate_kv_release(raw_params: Any, max_blocks: int) -> KVRelease:
+    """The `kv_transfer_params` of a release (what the prefill answered), checked like any params;
+    raises APIError(400) naming the first bad or missing field."""
+    if raw_params is None:
+        raise APIError(400, "kv_transfer_params is required (the params the prefill engine answered with)",
+                       param="kv_transfer_params", code="invalid_kv_transfer_params")
+    params = validate_kv_transfer_params(raw_params, max_blocks)
+    for key in ("remote_engine_id", "remote_request_id", "prompt_digest"):
+        if key not in params:
+            raise _fail(key, "is required to release held KV")
+    return KVRelease(params["remote_engine_id"], params["remote_request_id"], params["prompt_digest"])
