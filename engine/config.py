@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.core.liveness import DEFAULT_STEP_TIMEOUT_S
+
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -51,6 +53,8 @@ class EngineArgs:
     coordinator_address: str | None = None  # host:port of the coordinator's stats (PULL) socket
     coordinator_publish_address: str | None = None  # host:port of its PUB socket (the DP client balances by it)
     advertise_address: str | None = None  # host:port of this engine's HTTP API, as routers reach it
+    # A step running longer than this makes the core unresponsive (engine/core/liveness.py); 0: never.
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
 
     def create_engine_config(self) -> "EngineConfig":
         from pdserve.engine.demo import resolve_model
@@ -88,6 +92,8 @@ class EngineArgs:
         parse_kv_transfer_config(self.kv_transfer_config)  # a bad --kv-transfer-config fails here, clearly
         if self.engine_role not in ("prefill", "decode", "both"):
             raise ValueError(f"engine_role must be prefill, decode or both; got {self.engine_role!r}")
+        if not self.step_timeout >= 0:  # also refuses NaN
+            raise ValueError(f"step_timeout must be 0 (off) or a number of seconds, got {self.step_timeout}")
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
@@ -106,6 +112,7 @@ class EngineArgs:
             coordinator_address=self.coordinator_address,
             coordinator_publish_address=self.coordinator_publish_address,
             advertise_address=self.advertise_address,
+            step_timeout=self.step_timeout,
         )
 
     @classmethod
@@ -299,6 +306,7 @@ class EngineConfig:
     coordinator_address: str | None = None
     coordinator_publish_address: str | None = None
     advertise_address: str | None = None
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # seconds; 0: a long step never makes the core unresponsive
     # Filled in by the executor once the KV cache is sized.
     num_kv_blocks: int = 0
 

@@ -7,7 +7,9 @@ is spent in the main thread only; serialization and socket work overlap with it.
 
 Start-up: HELLO to the frontend's handshake socket, receive the data-socket addresses, load the
 model, then READY with the KV block count. A fatal error sends ENGINE_CORE_DEAD before exiting,
-so the frontend fails requests instead of waiting. SIGTERM/SIGINT drain: new requests are
+so the frontend fails requests instead of waiting. The output thread also sends a heartbeat with
+the step counter and the current step's age (engine/core/liveness.py), so the frontend notices a
+core that is stopped or stuck inside a step. SIGTERM/SIGINT drain: new requests are
 refused, running ones finish (or are aborted when the grace period ends), then the process exits 0.
 """
 
@@ -28,6 +30,7 @@ import zmq
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.engine_core import EngineCore
+from pdserve.engine.core.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_MARKER, CoreHeartbeat, StepClock
 from pdserve.engine.core.load_reporter import LoadReporter
 from pdserve.engine.protocol import (
     EngineCoreOutput,
@@ -45,7 +48,7 @@ log = logging.getLogger("pdserve.engine.core_proc")
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 DEFAULT_DRAIN_SECONDS = float(os.environ.get("PDSERVE_DRAIN_SECONDS", "30"))
 # Utility calls a frontend may make; anything else is refused.
-UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "ping"}
+UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "ping", "release_kv_hold"}
 _WAKE, _STOP = object(), object()
 _REUSED_BUFFER_LIMIT = 1 << 20
 
@@ -68,6 +71,9 @@ class EngineCoreProc:
         # An I/O thread that dies takes the engine with it: the busy loop re-raises this.
         self.thread_failure: BaseException | None = None
         self.output_address = ""
+        # When the busy loop's current step started: the output thread's heartbeat and the load
+        # reporter's heartbeat thread read it to tell a long step from a stuck one.
+        self.step_clock = StepClock()
 
         handshake = self.ctx.socket(zmq.DEALER)
         handshake.setsockopt(zmq.LINGER, 1000)
@@ -82,7 +88,7 @@ class EngineCoreProc:
         if config.coordinator_address:
             self.core.scheduler.kv_cache_manager.pool.enable_events()
             self.reporter = LoadReporter(config, self.ctx)
-            self.reporter.start_heartbeat()
+            self.reporter.start_heartbeat(step_clock=self.step_clock, step_timeout=config.step_timeout)
 
         input_ready = threading.Event()
         self.output_address = init["output_address"]
@@ -153,9 +159,18 @@ class EngineCoreProc:
         sock.setsockopt(zmq.LINGER, 4000)
         sock.connect(address)
         encoder = MsgpackEncoder()
+        heartbeat_encoder = msgspec.msgpack.Encoder()
         buffer = bytearray()
+        next_heartbeat = 0.0
         while True:
-            item = self.output_queue.get()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._send_heartbeat(sock, heartbeat_encoder)
+                next_heartbeat = now + HEARTBEAT_INTERVAL_S
+            try:
+                item = self.output_queue.get(timeout=max(0.0, next_heartbeat - time.monotonic()))
+            except queue.Empty:
+                continue
             if item is _STOP:
                 break
             if item is ENGINE_CORE_DEAD:
@@ -170,6 +185,14 @@ class EngineCoreProc:
             if large:
                 buffer = bytearray()
         sock.close(linger=4000)
+
+    def _send_heartbeat(self, sock: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
+        heartbeat = CoreHeartbeat(step=self.core.scheduler.step_counter, step_running_s=self.step_clock.age())
+        try:
+            # A heartbeat the frontend is not reading yet is worth nothing later: never wait on it.
+            sock.send_multipart([HEARTBEAT_MARKER, encoder.encode(heartbeat)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     # -- the busy loop ------------------------------------------------------------------------
 
@@ -193,18 +216,26 @@ class EngineCoreProc:
                 self.reporter.maybe_report(self.core.scheduler)
             changed = self._drain_inputs(block=not self.core.has_work())
             if self.core.has_unfinished_requests():
-                outputs, _ = self.core.step()
+                outputs = self._timed_step()
                 self.output_queue.put(outputs)
             elif self.core.has_work():
                 # Only blocks held for remote decodes: poll their transfers; report when some go.
                 held = len(self.core.scheduler.held_for_send)
-                outputs, _ = self.core.step()
+                outputs = self._timed_step()
                 if outputs.outputs or len(self.core.scheduler.held_for_send) != held:
                     self.output_queue.put(outputs)
             elif changed:
                 # No step will report the freed blocks: send the stats now (e.g. after aborts).
                 self.output_queue.put(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats(),
                                                         timestamp=time.time()))
+
+    def _timed_step(self) -> EngineCoreOutputs:
+        self.step_clock.begin()
+        try:
+            outputs, _ = self.core.step()
+        finally:
+            self.step_clock.end()
+        return outputs
 
     def _drain_inputs(self, block: bool) -> bool:
         changed = False

@@ -16,7 +16,9 @@ One step can outlast the coordinator's staleness limit (a long prefill on few co
 loop reports only between steps. `start_heartbeat` adds a thread that, when nothing has gone out
 for `idle_interval`, repeats the last report with a new `seq` and `time` and no block events, so a
 busy engine is never mistaken for a dead one. Both paths send under one lock (zmq sockets are not
-thread-safe).
+thread-safe). It vouches only for a step younger than the step timeout: it reads the busy loop's
+step clock (engine/core/liveness.py), and once the current step has run past `--step-timeout` it
+stays quiet, so the coordinator marks the wedged engine stale and routers stop picking it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.engine import internal_auth
+from pdserve.engine.core.liveness import StepClock
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
@@ -129,6 +132,9 @@ class LoadReporter:
         self._last_sent_at = -math.inf  # monotonic, real clock: the heartbeat thread's reference
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._step_clock: StepClock | None = None  # set by start_heartbeat
+        self._step_timeout = 0.0
+        self._withholding = False  # the heartbeat is quiet because a step overran the step timeout
         log.info("reporting load to %s as engine %s (%s)", self.endpoint, self.engine_id, self.role)
 
     def maybe_report(self, scheduler: "Scheduler", now: float | None = None) -> bool:
@@ -198,13 +204,32 @@ class LoadReporter:
 
     # -- the heartbeat thread --------------------------------------------------------------------
 
-    def start_heartbeat(self, check_interval: float | None = None) -> None:
-        """Keep reporting while the busy loop is inside a long step (see the module docstring)."""
+    def start_heartbeat(self, check_interval: float | None = None, *, step_clock: StepClock | None = None,
+                        step_timeout: float = 0.0) -> None:
+        """Keep reporting while the busy loop is inside a long step (see the module docstring), but
+        not once `step_clock`'s step has run longer than `step_timeout` seconds (0: no limit)."""
+        self._step_clock = step_clock
+        self._step_timeout = step_timeout
         if self._heartbeat is None:
             interval = check_interval if check_interval is not None else self.idle_interval / 4
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,),
                                                name="load-heartbeat", daemon=True)
             self._heartbeat.start()
+
+    def vouching(self) -> bool:
+        """Whether the heartbeat thread may repeat the last report: no step, or one within the timeout."""
+        clock, limit = self._step_clock, self._step_timeout
+        if clock is None or not limit:
+            return True
+        age = clock.age()
+        if age <= limit:
+            self._withholding = False
+            return True
+        if not self._withholding:
+            log.warning("a step has been running for %.1fs, past the step timeout of %gs: load reports stop until "
+                        "it ends, so the coordinator marks this engine stale", age, limit)
+        self._withholding = True
+        return False
 
     def _heartbeat_loop(self, check_interval: float) -> None:
         while not self._stop.wait(check_interval):
@@ -212,6 +237,8 @@ class LoadReporter:
                 last = self._last_report
                 if last is None or self._stop.is_set() or time.monotonic() - self._last_sent_at < self.idle_interval:
                     continue
+                if not self.vouching():
+                    continue  # a wedged core: the coordinator must see it go silent
                 self._poll_connections()
                 if self._resync:
                     continue  # the busy loop owes a full index; a repeat without it would not do

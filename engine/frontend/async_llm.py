@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any, AsyncGenerator, Callable
 
 from pdserve.engine.config import EngineArgs, EngineConfig
+from pdserve.engine.core.liveness import RankLiveness, pod_unresponsive_reason
 from pdserve.engine.frontend.input_processor import InputProcessor, PromptType
 from pdserve.engine.frontend.limits import RequestLimits
 from pdserve.engine.frontend.dp_client import DPAsyncMPClient, make_async_client
@@ -109,12 +110,19 @@ class AsyncLLM:
     # -- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                          kv_transfer_params: dict[str, Any] | None = None) -> RequestOutputCollector:
-        """Validate and submit. Raises ValueError for bad input and EngineDeadError if the core is gone."""
+                          kv_transfer_params: dict[str, Any] | None = None,
+                          dp_rank: int | None = None) -> RequestOutputCollector:
+        """Validate and submit. Raises ValueError for bad input and EngineDeadError if the core is gone.
+
+        `dp_rank` puts the request (all its `n` children) on that data-parallel rank instead of
+        the pod's own balancer pick."""
         if self.errored:
             raise EngineDeadError(str(self.dead_error or self.client.dead_reason))
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if dp_rank is not None and not 0 <= dp_rank < self.config.parallel.data_parallel_size:
+            raise ValueError(f"no data-parallel rank {dp_rank} (this engine has "
+                             f"{self.config.parallel.data_parallel_size})")
         self.limits.check_sampling(params)
         # No await from here until the request is registered, so concurrent calls count each other.
         self.limits.check_waiting(self.num_waiting_requests)
@@ -130,6 +138,7 @@ class AsyncLLM:
         self.collectors[request_id] = collector
         try:
             for (text, core_request), parent, index in children:
+                core_request.data_parallel_rank = dp_rank
                 self.output_processor.add_request(core_request, text, parent, index)
                 await self.client.add_request_async(core_request)
         except BaseException:
@@ -206,11 +215,33 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError(str(self.dead_error or self.client.dead_reason))
 
+    def liveness(self) -> list[RankLiveness]:
+        """Each engine core's progress from its heartbeats; empty once the engine is dead. Call it
+        on the event loop: the first call starts reading the cores' outputs."""
+        if self.errored:
+            return []
+        self._ensure_handler()
+        return self.client.check_liveness()
+
+    def unresponsive_reason(self) -> str | None:
+        """Why the engine is unresponsive (a core stopped, or a step past the step timeout), or None."""
+        return pod_unresponsive_reason(self.liveness())
+
     async def get_stats(self) -> dict[str, Any]:
         return await self.client.call_utility_async("get_stats")
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def release_kv_hold(self, engine_id: str, request_id: str, prompt_digest: str,
+                              timeout: float = 10.0) -> bool:
+        """Free a finished prefill's KV kept for a decode leg that will not come (the router's
+        POST /v1/kv/release). A data-parallel pod asks each rank: only the one whose engine id the
+        params name holds it. True when it was held for that prompt."""
+        clients = self.client.clients if isinstance(self.client, DPAsyncMPClient) else [self.client]
+        results = await asyncio.gather(*(c.call_utility_async("release_kv_hold", engine_id, request_id,
+                                                              prompt_digest, timeout=timeout) for c in clients))
+        return any(results)
 
     def shutdown(self) -> None:
         if self._handler is not None and not self._handler.done():

@@ -46,10 +46,14 @@ class DPBalancer:
             score = self.ranks[rank].score()
             if score < best_score:
                 best, best_score = rank, score
-        load = self.ranks[best]
+        return self.assign(best)
+
+    def assign(self, rank: int) -> int:
+        """Count a request placed on `rank` (by pick, or pinned there by the router)."""
+        load = self.ranks[rank]
         load.in_flight += 1
         load.picks += 1
-        return best
+        return rank
 
     def finished(self, rank: int, count: int = 1) -> None:
         load = self.ranks[rank]

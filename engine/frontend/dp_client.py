@@ -5,13 +5,16 @@ own AsyncMPClient. This client puts each new request on one rank (DPBalancer: lo
 `waiting * 4 + running`), remembers which rank holds it so aborts go there, and merges the
 ranks' outputs into one stream tagged with `engine_index`. Load comes from the coordinator's
 feed when `coordinator_publish_address` is set, and always from this client's in-flight counts.
+A request that names its rank (`data_parallel_rank`, from the router's X-PDServe-DP-Rank header:
+the router scored the ranks as endpoints of their own) goes to that rank instead.
 
 Lock-step pods (`data_parallel_lockstep`): this client is the wave coordinator of its ranks
 (engine/core/dp_wave.py). A rank that starts a wave says so on its outputs; the client then
 broadcasts START_DP_WAVE to the other ranks. Rank 0's `wave_complete` pauses the pod's wave.
 
 One dead rank makes the whole client dead: its requests fail with EngineDeadError (503 at the
-server), /health turns 503, and the pod is restarted, as with a single engine.
+server), /health turns 503, and the pod is restarted, as with a single engine. One unresponsive
+rank (stopped, or stuck in a step) makes /health 503 too, naming the rank; its requests wait.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq.asyncio
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.dp_wave import WaveCoordinator
+from pdserve.engine.core.liveness import RankLiveness
 from pdserve.engine.cores import usable_cores
 from pdserve.engine.frontend.dp_balance import DPBalancer
 from pdserve.engine.frontend.mp_client import AsyncMPClient, EngineDeadError, MPClientBase, next_output
@@ -140,13 +144,22 @@ class DPAsyncMPClient:
                 return f"data-parallel rank {rank}: {client.dead_reason}"
         return ""
 
+    def check_liveness(self) -> list[RankLiveness]:
+        """Every rank's progress; the server calls the pod unresponsive when any rank is."""
+        self._ensure_tasks()
+        return [status for client in self.clients for status in client.check_liveness()]
+
     # -- requests -----------------------------------------------------------------------------
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._ensure_tasks()
         if self.dead:
             raise EngineDeadError(self.dead_reason)
-        rank = self.balancer.pick()
+        pinned = request.data_parallel_rank
+        if pinned is not None and not 0 <= pinned < self.size:
+            raise ValueError(f"no data-parallel rank {pinned} (this pod has {self.size})")
+        # A router that scores ranks as endpoints of their own has already chosen one.
+        rank = self.balancer.pick() if pinned is None else self.balancer.assign(pinned)
         self.owner[request.request_id] = rank
         try:
             await self.clients[rank].add_request_async(request)

@@ -3,7 +3,9 @@
 The frontend binds three sockets: a handshake ROUTER (HELLO → addresses → READY), the input
 ROUTER it sends requests on, and the output PULL it receives results on. A watcher thread waits
 on the engine process; if it exits, or sends ENGINE_CORE_DEAD, every caller gets EngineDeadError
-instead of waiting forever.
+instead of waiting forever. A live core that stops making progress is *unresponsive* instead: the
+async client follows the core's heartbeats (engine/core/liveness.py) and says why in
+`check_liveness`, while its requests stay in flight in case it recovers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import zmq.asyncio
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.engine_core_proc import ENGINE_CORE_DEAD, run_engine_core
+from pdserve.engine.core.liveness import HEARTBEAT_MARKER, CoreHeartbeat, CoreLiveness, RankLiveness
 from pdserve.engine.frontend.core_client import EngineCoreClient
 from pdserve.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 from pdserve.engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -62,7 +65,10 @@ class MPClientBase:
 
     def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
         self.config = config
+        self.engine_index = engine_index
         self.engine_identity = engine_index.to_bytes(2, "little")
+        self.liveness = CoreLiveness.starting()
+        self._heartbeat_decoder = msgspec.msgpack.Decoder(CoreHeartbeat)
         self.dead_reason = ""
         self.dead_at: float | None = None  # monotonic time the engine was found dead
         self._closed = False
@@ -158,6 +164,11 @@ class MPClientBase:
         raw = first.bytes if hasattr(first, "bytes") else first
         if len(frames) == 1 and raw == ENGINE_CORE_DEAD:
             self._mark_dead("the engine core reported a fatal error")
+            return None
+        if len(frames) == 2 and raw == HEARTBEAT_MARKER:
+            second = frames[1]
+            self.liveness.on_heartbeat(self._heartbeat_decoder.decode(second.bytes if hasattr(second, "bytes")
+                                                                      else second))
             return None
         return self.decoder.decode(frames)
 
@@ -255,7 +266,16 @@ class AsyncMPClient(MPClientBase):
         if self._reader is None:
             self.loop = asyncio.get_running_loop()
             self.outputs_queue = asyncio.Queue()
+            # Silence counts from here: until now nobody read the heartbeats.
+            self.liveness = CoreLiveness.starting()
             self._reader = self.loop.create_task(self._read_outputs(), name="engine-output-reader")
+
+    def check_liveness(self) -> list[RankLiveness]:
+        """This core's progress, as its heartbeats tell it (starts the output reader if needed)."""
+        self._ensure_reader()
+        view = self.liveness
+        return [RankLiveness(self.engine_index, view.reason(self.config.step_timeout), view.step_running_s,
+                             view.silence_s)]
 
     async def _read_outputs(self) -> None:
         assert self.outputs_queue is not None
@@ -263,6 +283,7 @@ class AsyncMPClient(MPClientBase):
             # Poll with a timeout so a death is noticed while idle, but only once the socket is
             # empty: outputs the engine sent before dying still reach their requests.
             if not await self.async_output.poll(timeout=100):
+                self.liveness.on_caught_up()
                 if self._death_settled():
                     self._fail_waiters()
                     return

@@ -9,20 +9,27 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from pdserve.engine.frontend.async_llm import AsyncLLM
 from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
+from pdserve.engine.server.dp_rank import requested_dp_rank
 from pdserve.engine.server.errors import APIError, error_body, error_response, new_error_id
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
-from pdserve.engine.server.kv_params import validate_kv_transfer_params
+from pdserve.engine.server.kv_params import validate_kv_release, validate_kv_transfer_params
 from pdserve.engine.server.metrics import EngineMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.engine.server.serving import Serving, new_request_id
 
 log = logging.getLogger("pdserve.server")
+
+class KVReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kv_transfer_params: Any = None  # checked by kv_params.validate_kv_release
+
 
 class TokenizeRequest(BaseModel):
     model: str
@@ -37,6 +44,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     metrics = EngineMetrics(engine.model_name)
     engine.stats_listeners.append(metrics.observe)
+    metrics.watch_liveness(engine.liveness)
     serving = Serving(engine)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -86,13 +94,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
                            param="kv_transfer_params", code="forbidden")
         body.kv_transfer_params = validate_kv_transfer_params(body.kv_transfer_params, max_blocks)
 
+    def pinned_rank(request: Request) -> int | None:
+        """The data-parallel rank the router picked (X-PDServe-DP-Rank, honoured only with the internal key)."""
+        return requested_dp_rank(request.headers, settings.internal_key, engine.config.parallel.data_parallel_size)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_alive()
         body = await parse_body(request, CompletionRequest)
         check_kv_transfer(request, body)
         request_id = new_request_id("cmpl")  # never the client's X-Request-ID (see _echo_request_id)
-        return await respond(await serving.completions(body, request_id, disconnect_watcher(request)))
+        return await respond(await serving.completions(body, request_id, disconnect_watcher(request),
+                                                       dp_rank=pinned_rank(request)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -100,7 +113,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
         body = await parse_body(request, ChatCompletionRequest)
         check_kv_transfer(request, body)
         request_id = new_request_id("chatcmpl")
-        return await respond(await serving.chat(body, request_id, disconnect_watcher(request)))
+        return await respond(await serving.chat(body, request_id, disconnect_watcher(request),
+                                                dp_rank=pinned_rank(request)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -122,6 +136,22 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
             raise APIError(400, f"cannot tokenize: {exc}") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.config.model.max_model_len}
 
+    @app.post("/v1/kv/release")
+    async def release_kv(request: Request) -> dict[str, bool]:
+        """The router frees a prefill's held KV that no decode leg will pull (the decode leg failed,
+        was refused, or the client left): body {"kv_transfer_params": <what this engine answered>}."""
+        check_alive()
+        if not header_matches(request.headers.get(INTERNAL_HEADER), settings.internal_key):
+            raise APIError(403, f"Held KV is released only by the deployment's router (the {INTERNAL_HEADER} header "
+                                "is missing or wrong).", code="forbidden")
+        body = await parse_body(request, KVReleaseRequest)
+        release = validate_kv_release(body.kv_transfer_params, max_blocks)
+        try:
+            released = await engine.release_kv_hold(release.engine_id, release.request_id, release.prompt_digest)
+        except TimeoutError:
+            raise APIError(503, "The engine core did not answer the release in time.", code="engine_busy") from None
+        return {"released": released}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         mc = engine.config.model
@@ -132,6 +162,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastA
     async def health() -> Response:
         if engine.errored:
             return JSONResponse(error_body(503, "The engine is not running.", code="engine_dead"), status_code=503)
+        # Alive but not making progress: routers should skip this engine; its requests are kept.
+        reason = engine.unresponsive_reason()
+        if reason is not None:
+            return JSONResponse(error_body(503, f"The engine is not responding: {reason}.",
+                                           code="engine_unresponsive"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

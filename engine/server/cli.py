@@ -14,6 +14,8 @@ from typing import Callable, Iterator
 
 import uvicorn
 
+from pdserve.engine.core.liveness import DEFAULT_STEP_TIMEOUT_S
+
 log = logging.getLogger("pdserve.serve")
 
 
@@ -59,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with this many requests queued in the engine, new ones get 503 and Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let in-flight requests finish after SIGTERM")
+    p.add_argument("--step-timeout", type=step_timeout, default=DEFAULT_STEP_TIMEOUT_S, metavar="SECONDS",
+                   help="a step running longer than this makes /health answer 503 engine_unresponsive and stops "
+                        "the load reports vouching for the engine, so routers skip it; 0 turns the rule off (a "
+                        "stopped or frozen core is still caught by its missing heartbeat, after 3 s). The default, "
+                        "%(default)g, is over 6x the longest legitimate step measured: a full 2048-token prefill "
+                        "chunk (the default --max-num-batched-tokens) of smollm2 at TP=1 on 2 CPU cores took 15-18 s. "
+                        "Raise it for larger models on CPU")
     p.add_argument("--engine-role", choices=["prefill", "decode", "both"], default="both",
                    help="this engine's pool in a disaggregated deployment")
     p.add_argument("--kv-transfer-config", type=json.loads,
@@ -89,6 +98,16 @@ def resolve_internal_key(args: argparse.Namespace, command: str) -> tuple[bytes 
         return None, f"pdserve {command}: {exc}"
 
 
+def step_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or a number of seconds, got {text!r}")
+    return value
+
+
 def host_port(text: str) -> str:
     from pdserve.engine.core.load_reporter import parse_host_port
 
@@ -115,6 +134,7 @@ def engine_args_from(args: argparse.Namespace):
         coordinator_publish_address=args.coordinator_publish_address,
         data_parallel_size=args.data_parallel_size, data_parallel_lockstep=args.data_parallel_lockstep,
         advertise_address=advertise_address(args.host, args.port),
+        step_timeout=args.step_timeout,
     )
 
 

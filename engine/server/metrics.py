@@ -6,8 +6,11 @@ latest scheduler stats; counters advance by the difference of the core's cumulat
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.engine.core.liveness import RankLiveness
 from pdserve.engine.frontend.output_processor import IterationStats
 from pdserve.engine.protocol import SchedulerStats
 
@@ -57,7 +60,12 @@ class EngineMetrics:
         self.kv_failures = Counter("pdserve:kv_transfer_failures", "KV transfers or saves that failed.", labels,
                                    registry=r)
         self.kv_expired = Counter("pdserve:kv_transfers_expired",
-                                  "Held prefill blocks freed by the abort timeout, never pulled.", labels, registry=r)
+                                  "Held prefill blocks freed when their lease ran out, never pulled.", labels,
+                                  registry=r)
+        self.kv_lease_failures = Counter("pdserve:kv_lease_renewal_failures",
+                                         "Renewals of a prefill engine's hold on KV this decode engine will pull "
+                                         "that failed (the prefill unreachable, or the hold already gone).", labels,
+                                         registry=r)
         # Lock-step data parallelism (absent otherwise).
         self.dp_wave = Gauge("pdserve:dp_wave", "The engine core's current lock-step wave.", labels, registry=r)
         self.dp_steps = Counter("pdserve:dp_lockstep_steps", "Steps run inside lock-step waves, dummy ones included.",
@@ -68,8 +76,28 @@ class EngineMetrics:
         self.dp_step_seconds = Counter("pdserve:dp_lockstep_step_seconds", "Seconds of steps inside lock-step waves.",
                                        labels, registry=r)
         self.dp_dummy_seconds = Counter("pdserve:dp_dummy_step_seconds", "Seconds of dummy steps.", labels, registry=r)
+        # Liveness (engine/core/liveness.py), read from the cores' heartbeats at each scrape.
+        self.unresponsive = Gauge("pdserve:engine_unresponsive",
+                                  "1 while the engine core is stopped or its step overran --step-timeout.", labels,
+                                  registry=r)
+        self.step_age = Gauge("pdserve:engine_step_running_seconds",
+                              "How long the engine core's current step has been running; 0 between steps.", labels,
+                              registry=r)
+        self._liveness_probe: Callable[[], list[RankLiveness]] | None = None
         self.model = model_name
         self._last: dict[int, SchedulerStats] = {}
+
+    def watch_liveness(self, probe: Callable[[], list[RankLiveness]]) -> None:
+        """Read the cores' liveness from `probe` at every render (called on the server's event loop)."""
+        self._liveness_probe = probe
+
+    def _update_liveness(self) -> None:
+        if self._liveness_probe is None:
+            return
+        for rank in self._liveness_probe():
+            m = (self.model, str(rank.rank))
+            self.unresponsive.labels(*m).set(1 if rank.unresponsive else 0)
+            self.step_age.labels(*m).set(rank.step_running_s)
 
     def observe(self, stats: SchedulerStats | None, iteration: IterationStats, engine_index: int = 0) -> None:
         m = (self.model, str(engine_index))
@@ -93,6 +121,7 @@ class EngineMetrics:
                 (self.kv_seconds, stats.kv_transfer_seconds, last.kv_transfer_seconds),
                 (self.kv_failures, stats.kv_transfer_failures, last.kv_transfer_failures),
                 (self.kv_expired, stats.kv_transfers_expired, last.kv_transfers_expired),
+                (self.kv_lease_failures, stats.kv_lease_renewal_failures, last.kv_lease_renewal_failures),
                 (self.dp_steps, stats.dp_steps, last.dp_steps),
                 (self.dp_dummy_steps, stats.dp_dummy_steps, last.dp_dummy_steps),
                 (self.dp_step_seconds, stats.dp_step_seconds, last.dp_step_seconds),
@@ -113,4 +142,5 @@ class EngineMetrics:
             self.success.labels(*m, reason).inc()
 
     def render(self) -> bytes:
+        self._update_liveness()
         return generate_latest(self.registry)

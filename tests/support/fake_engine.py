@@ -39,7 +39,8 @@ class FakeEngine:
     def __init__(self, model_path: str) -> None:
         self.model_name = "tiny"
         mc = ModelConfig.from_pretrained(model_path, dtype="float32", max_model_len=256)
-        self.config = SimpleNamespace(model=mc, cache=SimpleNamespace(block_size=16))
+        self.config = SimpleNamespace(model=mc, cache=SimpleNamespace(block_size=16),
+                                      parallel=SimpleNamespace(data_parallel_size=1))
         self.tokenizer = load_tokenizer(model_path)
         self.input_processor = RecordingInputProcessor(mc, self.tokenizer)
         self.stats_listeners: list = []
@@ -57,6 +58,12 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         pass
+
+    def liveness(self) -> list:
+        return []  # no engine core, so no heartbeats to judge
+
+    def unresponsive_reason(self) -> str | None:
+        return None
 
 
 def asgi_client(app) -> httpx.AsyncClient:
