@@ -8,7 +8,10 @@
 Every call is one round trip for all its keys and either returns within `timeout_s` or raises
 KVStoreError: when the store is down, slow, restarted or refuses the request. The client needs
 no repair afterwards: a timed-out socket is dropped (so its late reply cannot answer a later
-call) and the next call connects again.
+call) and the next call connects again. A call that could not even be sent (no connection) keeps
+the socket, which goes on reconnecting in the background; with `connect_timeout_s`, calls on a
+socket that has had that long to connect fail at once instead of waiting for the store, so a
+caller that must not stall (the engine's step) learns "down" for free.
 
 One thread at a time: a client holds one socket, and ZMQ sockets are not thread-safe. Give every
 thread that talks to the store its own client.
@@ -70,17 +73,21 @@ def as_buffer(value: Any) -> memoryview:
 
 class KVStoreClient:
     def __init__(self, url: str, namespace: str, timeout_s: float = 2.0,
-                 internal_key: bytes | None = FROM_ENV) -> None:
+                 internal_key: bytes | None = FROM_ENV, connect_timeout_s: float | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if connect_timeout_s is not None and connect_timeout_s < 0:
+            raise ValueError(f"connect_timeout_s must not be negative, got {connect_timeout_s}")
         # A CURVE client of the store when a key is set; a store that holds another key (or none)
         # never completes the handshake, so calls time out as if it were down.
         self._key = internal_auth.load_internal_key() if internal_key is FROM_ENV else internal_key
         self.url = normalize_url(url)
         self.namespace = namespace
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._context = zmq.Context(io_threads=1)
         self._socket: zmq.Socket | None = None
+        self._connecting_since = 0.0  # when the current socket started connecting
         self._request_ids = itertools.count(1)
         self._closed = False
 
@@ -120,6 +127,11 @@ class KVStoreClient:
         reply, _ = self._call("stats", [])
         return dict(reply.stats)
 
+    def connect(self) -> None:
+        """Start connecting now (in the background), so the first call finds the store connected."""
+        if self._socket is None and not self._closed:
+            self._socket = self._connect()
+
     def close(self) -> None:
         if self._closed:
             return
@@ -136,6 +148,7 @@ class KVStoreClient:
         socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
         internal_auth.secure_client(socket, self._key)
         socket.connect(self.url)
+        self._connecting_since = time.monotonic()
         return socket
 
     def _reset(self) -> None:
@@ -156,13 +169,18 @@ class KVStoreClient:
             if self._socket is None:
                 self._socket = self._connect()
             socket = self._socket
-            socket.setsockopt(zmq.SNDTIMEO, _ms_left(deadline))
+            send_by = deadline
+            if self.connect_timeout_s is not None:
+                send_by = min(deadline, self._connecting_since + self.connect_timeout_s)
+            # 0: do not wait at all (the socket had its time to connect and is not connected).
+            socket.setsockopt(zmq.SNDTIMEO, max(0, int((send_by - time.monotonic()) * 1000)))
             try:
                 socket.send_multipart([header, *values], copy=False)
             except zmq.Again:
-                self._reset()
-                raise KVStoreError(f"KV store at {self.url} is not reachable ({op} not sent within "
-                                   f"{self.timeout_s:g}s)") from None
+                # Nothing was queued (IMMEDIATE): no late reply can come, so the socket stays and
+                # keeps reconnecting on its own; the next call is sent as soon as the store is back.
+                raise KVStoreError(f"KV store at {self.url} is not reachable ({op} not sent: no connection)"
+                                   ) from None
             while True:
                 if not socket.poll(_ms_left(deadline), zmq.POLLIN):
                     self._reset()

@@ -3,9 +3,14 @@
 Producers write every full block they compute, keyed by the block's chained prefix hash; any
 engine, before computing a prompt, asks the store how many of the blocks after its own prefix-
 cache hit it holds, and loads those instead. So the store is the hand-off from prefill to decode
-and, at the same time, a prefix cache shared by every engine. A store that is down only costs
-time: lookups answer zero (and are not retried for a while), loads fail into recomputation,
-saves are dropped with a warning.
+and, at the same time, a prefix cache shared by every engine.
+
+A store that is down costs the step nothing. Saves are copied and sent by a background thread
+(`BlockSaver`); while the store is down they are dropped and counted (kv_transfer_failures, one
+per block), and it is tried again with exponential backoff. Lookups, the one call the step waits
+for, are bounded by LOOKUP_TIMEOUT_S, fail at once on a store the client is not connected to, and
+are skipped while their own backoff runs. Loads run on a worker thread; they fail into
+recomputation, at once while the store is known to be down.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
+from pdserve.kvstore.background_save import Backoff, BlockSaver
 from pdserve.kvstore.base import KVConnectorBase, KVConnectorRole, KVConnectorStats, LoadLog
 from pdserve.kvstore.config import KVTransferConfig
 
@@ -30,7 +36,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.kvstore.storage")
 
-STORE_DOWN_BACKOFF_S = 5.0  # after a failed lookup, stop asking for this long
+STORE_DOWN_BACKOFF_S = 5.0  # the longest wait between tries of a store that is down
+FIRST_BACKOFF_S = 0.5  # the first wait, doubled after each further failure
+# The step waits for a lookup: a live store answers in milliseconds, so this only bounds a sick one.
+LOOKUP_TIMEOUT_S = 0.5
+# A prefill handed to a decode engine through the store: its step waits this long at most for
+# its blocks to be stored, so that the decode engine's lookup, which follows the prefill's
+# answer, finds them. Only while the store answers; never in backoff, never after one such wait
+# ran out until a save succeeds again.
+HANDOFF_WAIT_S = 1.0
+MAX_PENDING_SAVE_BYTES = 256 * 2**20  # copied blocks waiting for the store; past this they are dropped
 DEFAULT_FILE_CAPACITY_BYTES = 8 * 2**30
 
 
@@ -126,13 +141,18 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "model"
 
 
-def make_backend(kv: KVTransferConfig, namespace: str) -> BlockBackend:
+def make_backend(kv: KVTransferConfig, namespace: str, timeout_s: float | None = None) -> BlockBackend:
+    """One backend per thread that uses it. `timeout_s` caps the configured timeout; a client
+    also waits at most that long for its first connection, and not at all once it has had it."""
     if kv.connector == "shared-storage":
         return FileBackend(kv.extra["path"], namespace,
                            int(kv.extra.get("capacity_bytes") or DEFAULT_FILE_CAPACITY_BYTES))
     from pdserve.kvstore.client import KVStoreClient
 
-    return KVStoreClient(kv.extra["kvstore_url"], namespace, float(kv.extra["timeout_s"]))
+    timeout = min(float(kv.extra["timeout_s"]), timeout_s or float("inf"))
+    client = KVStoreClient(kv.extra["kvstore_url"], namespace, timeout, connect_timeout_s=timeout)
+    client.connect()
+    return client
 
 
 def block_namespace(config: Any) -> str:
@@ -157,6 +177,7 @@ class LoadSpec:
 class StorageMetadata:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, prefix hash)
+    handoff: bool = False  # some saves are a prefill's KV that a decode engine reads next
 
 
 class StorageConnector(KVConnectorBase):
@@ -167,30 +188,35 @@ class StorageConnector(KVConnectorBase):
         self.block_size = config.cache.block_size
         # Blocks are interchangeable only between engines of the same weights, dtype and head split.
         self.namespace = block_namespace(config)
+        # scheduler side: lookups, from the engine core's step
         self.backend: BlockBackend | None = None
-        # scheduler side
         self._loads: list[LoadSpec] = []
         self._saved_upto: dict[str, tuple["Request", int]] = {}  # request -> blocks already in the store
-        self._down_until = 0.0
+        self._lookup_backoff = Backoff(FIRST_BACKOFF_S, STORE_DOWN_BACKOFF_S)
         self._block_ids: dict[str, list[int]] = {}
-        # worker side
+        # worker side: loads on the load thread (its own backend), saves on the saver's thread
         self._metadata: StorageMetadata | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._load_backend: BlockBackend | None = None
+        self._saver: BlockSaver | None = None
+        self._store_backoff = Backoff(FIRST_BACKOFF_S, STORE_DOWN_BACKOFF_S)  # shared by loads and saves
+        self._handoff_paused_at: int | None = None  # the saver's count of saved batches when a wait ran out
         self.loads = LoadLog()
-        self._warned_at = 0.0
+        if role is KVConnectorRole.SCHEDULER and self.kv.is_consumer:
+            self._backend()  # connects in the background now: the first lookup finds the store ready
 
     def _key(self, block_hash: bytes, rank: int) -> bytes:
         return b"r%d:" % rank + block_hash
 
     def _backend(self) -> BlockBackend:
         if self.backend is None:
-            self.backend = make_backend(self.kv, self.namespace)
+            self.backend = make_backend(self.kv, self.namespace, LOOKUP_TIMEOUT_S)
         return self.backend
 
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.kv.is_consumer or time.monotonic() < self._down_until:
+        if not self.kv.is_consumer or not self._lookup_backoff.ready():
             return 0, False
         first = num_computed_tokens // self.block_size
         if len(request.block_hashes) <= first:
@@ -198,9 +224,13 @@ class StorageConnector(KVConnectorBase):
         try:
             found = self._backend().contains([self._key(h, 0) for h in request.block_hashes[first:]])
         except Exception as exc:
-            self._down_until = time.monotonic() + STORE_DOWN_BACKOFF_S
-            log.warning("KV store lookup failed; computing locally for %.0fs: %s", STORE_DOWN_BACKOFF_S, exc)
+            was_down = self._lookup_backoff.down
+            delay = self._lookup_backoff.failed()
+            (log.debug if was_down else log.warning)("KV store lookup failed; computing locally, next try in "
+                                                     "%.1fs: %s", delay, exc)
             return 0, False
+        if self._lookup_backoff.succeeded():
+            log.info("KV store reachable again: lookups resume")
         # The last token is always computed (its logits give the next token), even when its
         # block is loaded: recomputing it rewrites the same K and V.
         tokens = min(found * self.block_size, request.num_tokens - 1 - num_computed_tokens)
@@ -236,6 +266,8 @@ class StorageConnector(KVConnectorBase):
                 blocks = self._block_ids[req_id]
                 meta.saves.extend((blocks[i], request.block_hashes[i]) for i in range(saved, full))
                 self._saved_upto[req_id] = (request, full)
+                params = request.kv_transfer_params
+                meta.handoff = meta.handoff or bool(params and params.get("do_remote_decode"))
         return meta if meta.loads or meta.saves else None
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -252,7 +284,11 @@ class StorageConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> dict[str, Any]:
         self.kv_caches = kv_caches
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-load")
+        if self.kv.is_consumer:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store-load")
+        if self.kv.is_producer:
+            self._saver = BlockSaver(make_backend(self.kv, self.namespace), self.loads, self._store_backoff,
+                                     MAX_PENDING_SAVE_BYTES)
         return {"rank": self.rank}
 
     def bind_connector_metadata(self, metadata: StorageMetadata | None) -> None:
@@ -266,10 +302,23 @@ class StorageConnector(KVConnectorBase):
             self._pool.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
+        """On the load thread: the request waits for it, the step does not."""
+        if not self._store_backoff.ready():
+            self.loads.ended(spec.req_id, failed=True)  # the store is down: recompute at once
+            return
         start = time.monotonic()
         moved = 0
         try:
-            values = self._backend().get([self._key(h, self.rank) for h in spec.hashes])
+            if self._load_backend is None:
+                self._load_backend = make_backend(self.kv, self.namespace)
+            values = self._load_backend.get([self._key(h, self.rank) for h in spec.hashes])
+        except Exception as exc:
+            self._store_backoff.failed()
+            log.warning("loading %s from the KV store failed, recomputing: %s", spec.req_id, exc)
+            self.loads.ended(spec.req_id, failed=True)
+            return
+        self._store_backoff.succeeded()
+        try:
             for block_id, value in zip(spec.block_ids, values):
                 if value is None:
                     raise KeyError("a block left the store between lookup and load")
@@ -292,22 +341,26 @@ class StorageConnector(KVConnectorBase):
         return torch.stack([cache[:, block_id] for cache in self.kv_caches]).cpu()
 
     def wait_for_save(self) -> None:
-        meta = self._metadata
-        if meta is None or not meta.saves:
+        """Hand this step's full blocks to the saver: copied now (the blocks may be reused as soon
+        as the step goes on), sent by its thread. Never waits on the store, but for a hand-off."""
+        meta, saver = self._metadata, self._saver
+        if meta is None or not meta.saves or saver is None:
+            return
+        if not saver.accepting():
+            saver.drop(len(meta.saves), "the KV store is down")
             return
         keys = [self._key(h, self.rank) for _, h in meta.saves]
         values = [self._read_block(b).view(torch.uint8).numpy() for b, _ in meta.saves]
-        start = time.monotonic()
-        try:
-            self._backend().put(keys, values)
-        except Exception as exc:
-            now = time.monotonic()
-            if now - self._warned_at > STORE_DOWN_BACKOFF_S:
-                self._warned_at = now
-                log.warning("saving %d blocks to the KV store failed (serving goes on): %s", len(keys), exc)
-            self.loads.count(KVConnectorStats(failures=1))
+        batch = saver.submit(keys, values)
+        if batch is None or not meta.handoff:
             return
-        self.loads.count(KVConnectorStats(bytes=sum(v.nbytes for v in values), seconds=time.monotonic() - start))
+        if self._handoff_paused_at is not None:
+            if saver.saved_batches == self._handoff_paused_at:
+                return
+            self._handoff_paused_at = None  # a save got through since: the store answers again
+        if not batch.done.wait(HANDOFF_WAIT_S):
+            self._handoff_paused_at = saver.saved_batches
+            log.warning("the KV store is slow: prefill hand-offs stop waiting for their blocks to be stored")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return set(), self.loads.take_ended()
@@ -321,6 +374,11 @@ class StorageConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            # A load in flight ends within the store timeout; then its thread's client can close.
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._load_backend is not None:
+                self._load_backend.close()
+        if self._saver is not None:
+            self._saver.close()
         if self.backend is not None:
             self.backend.close()

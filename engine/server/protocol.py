@@ -42,6 +42,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    # As vLLM: choices also carry the generated token ids (streamed: each chunk's own) and the
+    # prompt's; the router resumes a stream elsewhere from exactly these ids.
+    return_token_ids: bool = False
     # Set by the P/D router between prefill and decode engines.
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -104,13 +104,13 @@ class Serving:
             raise APIError(400, message, param=message.split(" ", 1)[0]) from None
 
     async def submit(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams,
-                     body: _SamplingFields) -> Submitted:
+                     body: _SamplingFields, dp_rank: int | None = None) -> Submitted:
         prompt = {"prompt_token_ids": token_ids, "prompt": prompt_text}
         if body.kv_transfer_params is not None:
             check_blocks_fit_prompt(body.kv_transfer_params, len(token_ids), self.engine.config.cache.block_size)
         try:
             collector = await self.engine.add_request(request_id, prompt, params, priority=body.priority,
-                                                      kv_transfer_params=body.kv_transfer_params)
+                                                      kv_transfer_params=body.kv_transfer_params, dp_rank=dp_rank)
         except ValueError as exc:
             raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
         return Submitted(request_id, collector, prompt_text, token_ids, params.n)
@@ -191,10 +191,22 @@ class Serving:
         if delta or out.finished:
             usage.completion_tokens += sum(len(c.token_ids) for c in completions)
 
+    @staticmethod
+    def token_ids(body: _SamplingFields, generated: list[int], prompt: list[int] | None) -> dict[str, Any]:
+        """`return_token_ids` fields of one choice: the ids it generated (streamed: in this chunk)
+        and, where given (the whole answer, or a choice's first chunk), the prompt's ids."""
+        if not body.return_token_ids:
+            return {}
+        fields: dict[str, Any] = {"token_ids": list(generated)}
+        if prompt is not None:
+            fields["prompt_token_ids"] = list(prompt)
+        return fields
+
     # -- completions ----------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request_id: str,
-                          disconnected: Callable[[], Awaitable[None]]) -> dict[str, Any] | AsyncIterator[str]:
+                          disconnected: Callable[[], Awaitable[None]], *,
+                          dp_rank: int | None = None) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(body.model)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -215,7 +227,7 @@ class Serving:
                 max_tokens = self.check_length(len(ids), body.max_tokens, "prompt")
                 params = self.build_params(body, max_tokens, body.logprobs)
                 rid = request_id if len(tokenized) == 1 else f"{request_id}-{i}"
-                submitted.append(await self.submit(rid, text, ids, params, body))
+                submitted.append(await self.submit(rid, text, ids, params, body, dp_rank))
         except BaseException:
             await self.abort_all(submitted)
             raise
@@ -233,7 +245,8 @@ class Serving:
                 text = ((s.prompt_text or self.engine.tokenizer.decode(s.prompt_token_ids)) + c.text) if body.echo else c.text
                 choices.append({"index": position * body.n + c.index, "text": text,
                                 "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                **self.token_ids(body, c.token_ids, s.prompt_token_ids)})
         response = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage.as_dict()}
         if kv_params is not None:
@@ -246,6 +259,7 @@ class Serving:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         echoed: set[int] = set()
+        opened: set[int] = set()  # choices whose first chunk went out (it carries the prompt's ids)
         try:
             async for position, out in self.stream(submitted):
                 self.add_usage(usage, position, out, out.outputs, delta=True)
@@ -256,9 +270,13 @@ class Serving:
                         echoed.add(index)
                         s = submitted[position]
                         text = (s.prompt_text or self.engine.tokenizer.decode(s.prompt_token_ids)) + text
+                    first = index not in opened
+                    opened.add(index)
+                    ids = self.token_ids(body, c.token_ids, submitted[position].prompt_token_ids if first else None)
                     chunk = dict(base, choices=[{"index": index, "text": text,
                                                  "logprobs": self._completion_logprobs(c) if body.logprobs is not None else None,
-                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                                 **ids}])
                     if include_usage:
                         chunk["usage"] = None
                     if out.finished and out.kv_transfer_params is not None:
@@ -290,7 +308,8 @@ class Serving:
     # -- chat -----------------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, request_id: str,
-                   disconnected: Callable[[], Awaitable[None]]) -> dict[str, Any] | AsyncIterator[str]:
+                   disconnected: Callable[[], Awaitable[None]], *,
+                   dp_rank: int | None = None) -> dict[str, Any] | AsyncIterator[str]:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -302,7 +321,7 @@ class Serving:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.check_length(len(ids), requested, "messages")
         params = self.build_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        submitted = [await self.submit(request_id, None, ids, params, body)]
+        submitted = [await self.submit(request_id, None, ids, params, body, dp_rank)]
         created = int(time.time())
         if body.stream:
             return self._chat_stream(body, request_id, created, submitted)
@@ -311,7 +330,8 @@ class Serving:
         self.add_usage(usage, 0, out, out.outputs, delta=False)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **self.token_ids(body, c.token_ids, submitted[0].prompt_token_ids)} for c in out.outputs]
         response = {"id": request_id, "object": "chat.completion", "created": created, "model": self.model_name,
                     "choices": choices, "usage": usage.as_dict()}
         if out.kv_transfer_params is not None:
@@ -330,14 +350,15 @@ class Serving:
         try:
             for i in range(body.n):  # every choice opens with the assistant role
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+                             "finish_reason": None, **self.token_ids(body, [], submitted[0].prompt_token_ids)})
             async for _, out in self.stream(submitted):
                 self.add_usage(usage, 0, out, out.outputs, delta=True)
                 for c in out.outputs:
                     delta = {"content": c.text} if c.text or not c.finished else {}
                     yield chunk({"index": c.index, "delta": delta,
                                  "logprobs": self._chat_logprobs(c, body.top_logprobs or 0) if body.logprobs else None,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                 **self.token_ids(body, c.token_ids, None)})
             if include_usage:
                 yield sse(dict(base, choices=[], usage=usage.as_dict()))
         except APIError as exc:
