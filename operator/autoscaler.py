@@ -6,9 +6,12 @@ the kopf timer calls: it reads the coordinator's `GET /stats`, decides, and writ
 to the resource's own `spec.<pool>.replicas` (the reconcile then patches that pool's Deployment).
 
 Rules:
-- A pool's recommendation is the larger of ceil(queued requests / targetWaitingPerReplica) and
-  ceil(sum of KV usage / targetKVUsage) over its live engines, clamped to [min, max]. A pool no
-  engine reports for gets no recommendation (missing data never scales anything).
+- The targets are per engine, and an engine is one data-parallel rank (each rank reports on its
+  own: its own queue and KV cache), while replicas are pods of `dataParallelSize` ranks. So a
+  pool's recommendation in pods is the larger of ceil(queued requests / targetWaitingPerReplica /
+  ranks per pod) and ceil(sum of KV usage / targetKVUsage / ranks per pod) over its live ranks,
+  clamped to [min, max]. A pool no engine reports for gets no recommendation (missing data never
+  scales anything).
 - Up at once; down only after the recommendation stayed below the current size for
   scaleDownDelaySeconds, and then to the highest recommendation seen in that time.
 - pdRatio "p:d" couples the pools: decode takes the larger of its own recommendation and what the
@@ -44,7 +47,7 @@ DEFAULT_STATS_URL = "http://{name}-coordinator.{namespace}.svc:" + str(COORDINAT
 
 @dataclass(frozen=True)
 class PoolLoad:
-    engines: int
+    engines: int  # live engines: data-parallel ranks, each counted on its own
     waiting: int
     running: int
     kv_usage: float  # summed over the engines (each in 0..1)
@@ -98,12 +101,15 @@ def _clamp(value: int, autoscaling: Autoscaling | None) -> int:
     return min(max(value, autoscaling.min_replicas), autoscaling.max_replicas)
 
 
-def recommend(autoscaling: Autoscaling, load: PoolLoad) -> int:
+def recommend(autoscaling: Autoscaling, load: PoolLoad, ranks_per_pod: int = 1) -> int:
+    """Pods the load asks for: the engines (ranks) it needs at the per-engine targets, in pods."""
+    if ranks_per_pod < 1:
+        raise ValueError(f"ranks_per_pod must be at least 1, got {ranks_per_pod}")
     wants = []
     if autoscaling.target_waiting_per_replica:
-        wants.append(_ceil(load.waiting / autoscaling.target_waiting_per_replica))
+        wants.append(_ceil(load.waiting / autoscaling.target_waiting_per_replica / ranks_per_pod))
     if autoscaling.target_kv_usage:
-        wants.append(_ceil(load.kv_usage / autoscaling.target_kv_usage))
+        wants.append(_ceil(load.kv_usage / autoscaling.target_kv_usage / ranks_per_pod))
     return _clamp(max(wants, default=0), autoscaling)
 
 
@@ -139,7 +145,7 @@ def decide(spec: InferenceServiceSpec, current: Mapping[str, int], loads: Mappin
     if spec.pd_ratio is not None and held:
         held = set(pools)  # coupled pools move together or not at all
 
-    recommendations = {pool: recommend(spec.pool(pool).autoscaling, loads[pool])
+    recommendations = {pool: recommend(spec.pool(pool).autoscaling, loads[pool], spec.pool(pool).data_parallel_size)
                        for pool in pools
                        if pool not in held and spec.pool(pool).autoscaling is not None and pool in loads}
     targets = dict(recommendations)

@@ -23,16 +23,20 @@ from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect
 from pdserve.engine.server.errors import APIError, error_response, new_error_id
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.balancer import Policy
-from pdserve.router.endpoints import Endpoint, Health, HealthChecker, Pool, Pools, error_text
+from pdserve.router.endpoints import Endpoint, Health, HealthChecker, Pool, Pools, error_text, health_client
 from pdserve.router.feed import FeedState, FeedSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pd import FlowSettings, PDFlow, RoutedRequest
-from pdserve.router.prefix import LocalTokenizer, estimate_tokens
+from pdserve.router.local_tokenizer import LocalTokenizer
+from pdserve.router.prefix import estimate_tokens
 
 log = logging.getLogger("pdserve.router")
 
 # Tasks that keep the pools current (discovery); each gets the pools and runs until cancelled.
 PoolTask = Callable[[Pools], Awaitable[None]]
+# How long a request waits for its local token ids: past this (every tokenizer thread busy with
+# huge prompts) it is routed on a character estimate, without the prefix hint.
+TOKENIZE_WAIT_S = 1.0
 
 
 @dataclass
@@ -46,8 +50,12 @@ class RouterSettings:
     coordinator_address: str | None = None
     coordinator_http_port: int = 8080
     flow: FlowSettings = field(default_factory=FlowSettings)
-    max_connections: int = 1000
+    # Engine connections in all: none by default, since each engine's own limit
+    # (flow.max_connections_per_endpoint) bounds them, and a shared cap lets busy engines starve the rest.
+    max_connections: int | None = None
     internal_key: bytes | None = None  # sent to engines: kv_transfer_params are accepted only with it
+    # Prompts over this many characters get a 400 before tokenizing; None: derived from the tokenizer; 0: off.
+    max_prompt_chars: int | None = None
     metrics_require_key: bool = False
 
 
@@ -61,7 +69,14 @@ class Router:
         self.pools = Pools(settings.policy, on_change=self._pool_changed)
         self.health = Health(on_change=self._health_changed)
         self.feed = FeedState() if settings.coordinator_address else None
+        if settings.max_prompt_chars is not None and settings.max_prompt_chars < 0:
+            raise ValueError(f"--max-prompt-chars must be 0 or more, got {settings.max_prompt_chars}")
         self.tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+        # Prompts longer than this (characters) are refused before tokenizing: the flag, or what
+        # the tokenizer proves no valid prompt exceeds (router/local_tokenizer.py); 0 or None: none.
+        self.max_prompt_chars = settings.max_prompt_chars if settings.max_prompt_chars is not None else (
+            self.tokenizer.char_limit if self.tokenizer is not None else None)
+        self.health_client: httpx.AsyncClient | None = None
         self.discovery = list(discovery)
         self.client: httpx.AsyncClient | None = None
         self.flow: PDFlow | None = None
@@ -89,10 +104,12 @@ class Router:
 
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=self.settings.max_connections,
-                              max_keepalive_connections=min(256, self.settings.max_connections))
+                              max_keepalive_connections=min(256, self.settings.max_connections or 256))
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, connect=2.0))
         self.flow = PDFlow(self.pools, self.health, self.client, self.metrics, self.settings.flow, self.feed)
-        checker = HealthChecker(self.pools, self.health, self.client, self.settings.health_interval)
+        # Its own client: health checks never queue behind streams for a connection of the main pool.
+        self.health_client = health_client()
+        checker = HealthChecker(self.pools, self.health, self.health_client, self.settings.health_interval)
         self._spawn(checker.run, "health checks")
         if self.feed is not None and self.settings.coordinator_address:
             subscriber = FeedSubscriber(self.settings.coordinator_address, self.feed,
@@ -135,6 +152,10 @@ class Router:
         self._tasks.clear()
         if self.client is not None:
             await self.client.aclose()
+        if self.health_client is not None:
+            await self.health_client.aclose()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -159,10 +180,11 @@ class Router:
         prompts = parsed.prompts()
         routed = RoutedRequest("completions", body, self.forwarded_headers(request, "cmpl"), stream=parsed.stream,
                                single_prompt=len(prompts) == 1)
+        self.check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         if routed.single_prompt:
             prompt = prompts[0]
             if self.tokenizer is not None:
-                routed.token_ids = self._tokenize(lambda: self.tokenizer.completion(prompt))  # type: ignore[union-attr]
+                routed.token_ids = await self._tokenize(self.tokenizer.completion, prompt)
             elif isinstance(prompt, list):
                 routed.token_ids = list(prompt)
             routed.prompt_tokens = len(routed.token_ids) if routed.token_ids is not None else (
@@ -179,9 +201,11 @@ class Router:
             messages = [{"role": msg.role, "content": msg.text()} for msg in parsed.messages]
         except ValueError as exc:
             raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+        # Only user turns count: every template renders them verbatim (some drop earlier reasoning).
+        self.check_prompt_chars(sum(len(msg["content"]) for msg in messages if msg["role"] == "user"), "messages")
         if self.tokenizer is not None:
-            routed.token_ids = self._tokenize(lambda: self.tokenizer.chat(  # type: ignore[union-attr]
-                messages, parsed.add_generation_prompt, parsed.chat_template_kwargs))
+            routed.token_ids = await self._tokenize(self.tokenizer.chat, messages, parsed.add_generation_prompt,
+                                                    parsed.chat_template_kwargs)
         routed.prompt_tokens = len(routed.token_ids) if routed.token_ids is not None else estimate_tokens(
             sum(len(msg["content"]) for msg in messages))
         await self._remote_tokens(routed, {"messages": body["messages"],
@@ -190,10 +214,24 @@ class Router:
                                               if parsed.chat_template_kwargs else {})})
         return routed
 
-    @staticmethod
-    def _tokenize(compute: Callable[[], list[int]]) -> list[int] | None:
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse at once a prompt too long for any engine: tokenizing it would only waste a thread."""
+        limit = self.max_prompt_chars
+        if limit and chars > limit:
+            raise APIError(400, f"Prompt too long: {chars} characters in the {param}, over this model's limit of "
+                                f"{limit}. Please reduce the length of the {param}.",
+                           param=param, code="context_length_exceeded")
+
+    async def _tokenize(self, compute: Callable[..., list[int]], *args: Any) -> list[int] | None:
+        """The prompt's token ids from a tokenizer thread, or None (routing then goes without them)."""
+        assert self.tokenizer is not None
+        work = asyncio.get_running_loop().run_in_executor(self.tokenizer.executor, compute, *args)
         try:
-            return compute()
+            # A timeout cancels the job if it has not started; a started one ends in its thread.
+            return await asyncio.wait_for(work, TOKENIZE_WAIT_S)
+        except asyncio.TimeoutError:
+            log.debug("local tokenization took over %.1fs: routing without the token ids", TOKENIZE_WAIT_S)
+            return None
         except Exception as exc:  # the engine reports a bad prompt itself; routing just loses the hint
             log.debug("local tokenization failed: %s", error_text(exc))
             return None

@@ -38,13 +38,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
                    help="shorter prompts skip the prefill pool (0: disaggregate every request)")
     p.add_argument("--tokenizer", help="tokenizer directory: exact prompt lengths and prefix hashes locally")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="refuse (400) prompts longer than this many characters before tokenizing them; 0: never "
+                        "(default: with --tokenizer, the most characters a prompt that fits the model can have: "
+                        "its context length times the most characters one token covers)")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health checks")
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to an engine")
-    p.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds a prefill leg may take")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a decode engine may stay silent before the request fails")
+    add_fault_arguments(p)
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+
+
+FAULT_BOUNDS = """\
+How long a request may wait on one engine, and where it goes next. The defaults come from the
+default model (smollm2, 135M, TP=1) on 2 CPU cores: a 2048-token prompt, which is also the longest
+step (one full default --max-num-batched-tokens chunk), took 15-18 s on idle cores and 30 s on a
+busy host; 500 tokens took 8 s. Each bound leaves about 2x over the busy host, so only an engine
+that is stuck or far overloaded reaches it. A frozen or dead engine is cut much sooner: its /health
+turns 503 (engine --step-timeout, or a core that stops answering after 3 s), the router ejects it
+and cuts its legs at once. Raise the bounds for larger models on CPUs or longer prompts."""
+
+
+def add_fault_arguments(p: argparse.ArgumentParser) -> None:
+    """Time bounds, connection limits and migration (FAULT_BOUNDS says how the defaults were chosen)."""
+    g = p.add_argument_group("time bounds and failover", FAULT_BOUNDS)
+    g.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="seconds a prefill leg may take to answer (waiting for a connection slot included); "
+                        "past it the decode engine computes the prompt itself. 2x a 2048-token prompt on a busy "
+                        "2-core host with smollm2 (30 s) (default: %(default)s)")
+    g.add_argument("--decode-first-byte-timeout", type=float, default=120.0,
+                   help="seconds a streamed decode leg may take to its first output (queueing, the KV pull, or "
+                        "the whole prompt when there was no prefill leg, included); past it the request is retried "
+                        "on another engine. 2x --prefill-timeout, since a prompt may be computed here after the "
+                        "prefill leg gave up (default: %(default)s)")
+    g.add_argument("--decode-idle-timeout", type=float, default=60.0,
+                   help="seconds a streamed decode leg may stay silent between two chunks; past it the stream "
+                        "continues on another engine (see --migration-limit). 2x the longest step on a busy "
+                        "2-core host with smollm2 (another request's 2048-token chunk: 30 s) (default: %(default)s)")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a non-streamed decode leg may take to its whole answer (it sends nothing "
+                        "before); past it the request is retried on another engine (default: %(default)s)")
+    g.add_argument("--max-connections-per-endpoint", type=int, default=256,
+                   help="legs in flight to one engine server at most; more wait for a slot, and the wait counts "
+                        "toward the leg's time bound (default: %(default)s)")
+    g.add_argument("--migration-limit", type=int, default=1,
+                   help="times a streamed single-choice answer that breaks after its first byte (engine dead, "
+                        "silent or ejected) continues on another decode engine before the client gets an SSE "
+                        "error; 0: never (default: %(default)s)")
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
@@ -58,9 +98,14 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "no engines: give --decode URL... (and optionally --prefill URL...), or --decode-service"
     for value, name in ((args.health_interval, "--health-interval"), (args.relist_interval, "--relist-interval"),
                         (args.connect_timeout, "--connect-timeout"), (args.prefill_timeout, "--prefill-timeout"),
-                        (args.request_timeout, "--request-timeout")):
+                        (args.decode_first_byte_timeout, "--decode-first-byte-timeout"),
+                        (args.decode_idle_timeout, "--decode-idle-timeout"),
+                        (args.request_timeout, "--request-timeout"),
+                        (args.max_connections_per_endpoint, "--max-connections-per-endpoint")):
         if value <= 0:
             return f"{name} must be positive"
+    if args.migration_limit < 0:
+        return "--migration-limit must be 0 or more"
     if args.pd_min_prompt_tokens < 0:
         return "--pd-min-prompt-tokens must be 0 or more"
     return None
@@ -96,9 +141,13 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, policy=Policy(args.routing_policy), api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes, health_interval=args.health_interval, tokenizer=args.tokenizer,
         coordinator_address=args.coordinator_address, coordinator_http_port=args.coordinator_http_port,
-        internal_key=internal_key, metrics_require_key=args.metrics_require_key,
+        internal_key=internal_key, metrics_require_key=args.metrics_require_key, max_prompt_chars=args.max_prompt_chars,
         flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, connect_timeout=args.connect_timeout,
-                          prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout))
+                          prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
+                          decode_first_byte_timeout=args.decode_first_byte_timeout,
+                          decode_idle_timeout=args.decode_idle_timeout,
+                          max_connections_per_endpoint=args.max_connections_per_endpoint,
+                          migration_limit=args.migration_limit))
     discovery = []
     try:
         prefill = [normalize_url(u) for u in args.prefill]

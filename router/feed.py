@@ -4,6 +4,9 @@ Each message is one frame, a msgpack map: {"updated", "engines": [{"id", "role",
 "dp_rank", "waiting", "running", "kv_usage", "step", "wave", "block_size", "stale"}],
 "block_events": [{"id", "stored", "removed", "cleared"}]}. Decoded as plain maps, so a field the
 coordinator adds later does not break the router.
+
+Entries are keyed by (address, dp_rank): the data-parallel ranks of one pod share its HTTP
+address, and each is an engine of its own (its own queue, KV cache and engine id).
 """
 
 from __future__ import annotations
@@ -35,10 +38,16 @@ class EngineReport:
     load: EngineLoad
     block_size: int | None
     kv_usage: float
+    dp_rank: int = 0
+
+
+# A feed entry's key: the HTTP server's host:port, and the data-parallel rank behind it. Every rank
+# of a pod reports the pod's address; an engine without data parallelism is rank 0.
+RankKey = tuple[str, int]
 
 
 class FeedState:
-    """What the feed said last, looked up by engine address (host:port of its HTTP server)."""
+    """What the feed said last, looked up by (engine address, data-parallel rank)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, timeout: float = FEED_TIMEOUT_S) -> None:
         self.clock = clock
@@ -46,9 +55,10 @@ class FeedState:
         self.last_message_at: float | None = None
         self.messages = 0
         self.blocks = BlockIndex()
-        self._by_address: dict[str, EngineReport] = {}
-        self._last_counts: dict[str, tuple[Any, ...]] = {}
-        self._reports: dict[str, int] = {}
+        self._by_key: dict[RankKey, EngineReport] = {}
+        self._ranks: dict[str, tuple[int, ...]] = {}  # address -> its ranks, sorted
+        self._last_counts: dict[RankKey, tuple[Any, ...]] = {}
+        self._reports: dict[RankKey, int] = {}
 
     def alive(self) -> bool:
         return self.last_message_at is not None and self.clock() - self.last_message_at < self.timeout
@@ -56,38 +66,53 @@ class FeedState:
     def apply(self, message: dict[str, Any]) -> None:
         """Take one decoded message; raises ValueError/TypeError/KeyError on a malformed one."""
         engines = message.get("engines") or []
-        reports: dict[str, EngineReport] = {}
+        reports: dict[RankKey, EngineReport] = {}
         for entry in engines:
             address = str(entry["address"])
+            rank = int(entry.get("dp_rank") or 0)
+            if rank < 0:
+                raise ValueError(f"negative dp_rank {rank} for {address}")
+            key = (address, rank)
             counts = (entry.get("step"), int(entry.get("waiting", 0)), int(entry.get("running", 0)))
-            if self._last_counts.get(address) != counts:
+            if self._last_counts.get(key) != counts:
                 # A new report: the router's picks since the last one are now in these counts.
-                self._last_counts[address] = counts
-                self._reports[address] = self._reports.get(address, 0) + 1
-            load = EngineLoad(waiting=counts[1], running=counts[2], report=self._reports[address],
+                self._last_counts[key] = counts
+                self._reports[key] = self._reports.get(key, 0) + 1
+            load = EngineLoad(waiting=counts[1], running=counts[2], report=self._reports[key],
                               stale=bool(entry.get("stale", False)))
             block_size = entry.get("block_size")
-            reports[address] = EngineReport(str(entry.get("id", address)), address, str(entry.get("role", "both")),
-                                            load, int(block_size) if block_size else None,
-                                            float(entry.get("kv_usage", 0.0)))
+            reports[key] = EngineReport(str(entry.get("id", f"{address}#{rank}")), address,
+                                        str(entry.get("role", "both")), load,
+                                        int(block_size) if block_size else None, float(entry.get("kv_usage", 0.0)),
+                                        rank)
         for event in message.get("block_events") or []:
             self.blocks.apply(event)
-        for gone in set(self._by_address) - set(reports):
-            self.blocks.forget(self._by_address[gone].engine_id)
+        for gone in set(self._by_key) - set(reports):
+            self.blocks.forget(self._by_key[gone].engine_id)
             self._last_counts.pop(gone, None)
-        self._by_address = reports
+        ranks: dict[str, list[int]] = {}
+        for address, rank in reports:
+            ranks.setdefault(address, []).append(rank)
+        self._by_key = reports
+        self._ranks = {address: tuple(sorted(r)) for address, r in ranks.items()}
         self.last_message_at = self.clock()
         self.messages += 1
 
-    def report(self, address: str) -> EngineReport | None:
-        """The engine's fresh report, or None when the feed is silent or knows no such engine."""
+    def report(self, address: str, dp_rank: int = 0) -> EngineReport | None:
+        """One rank's fresh report, or None when the feed is silent or knows no such rank."""
         if not self.alive():
             return None
-        return self._by_address.get(address)
+        return self._by_key.get((address, dp_rank))
 
-    def load(self, address: str) -> EngineLoad | None:
-        report = self.report(address)
+    def load(self, address: str, dp_rank: int = 0) -> EngineLoad | None:
+        report = self.report(address, dp_rank)
         return report.load if report is not None else None
+
+    def ranks(self, address: str) -> tuple[int, ...]:
+        """The data-parallel ranks the fresh feed lists for an address: () when it lists none."""
+        if not self.alive():
+            return ()
+        return self._ranks.get(address, ())
 
 
 class FeedSubscriber:

@@ -11,6 +11,18 @@ LEG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 DISAGGREGATED = "disaggregated"
 LOCAL_ONLY = "local_only"
 PREFILL_FAILED = "prefill_failed"
+# n>1 (or best_of>1): the decode engine computes such a prompt itself and never pulls, so a prefill
+# leg would only pin blocks on the prefill engine until they expire.
+LOCAL_MULTI_CHOICE = "local_multi_choice"
+
+# Outcomes of releasing a prefill hold the decode leg will not pull
+RELEASED = "released"      # the prefill engine freed the blocks
+NOT_HELD = "not_held"      # it held nothing under those params any more (pulled, expired, unknown)
+RELEASE_FAILED = "failed"  # no answer, or an error: the blocks expire by their lease
+
+# Outcomes of a stream that broke after its first byte
+RESUMED = "resumed"        # continued on another decode engine
+NOT_RESUMED = "failed"     # ended with an SSE error (migrations exhausted, no engine, or not resumable)
 
 
 class RouterMetrics:
@@ -21,6 +33,7 @@ class RouterMetrics:
                               registry=r)
         self.pd_decisions = Counter("pdserve_router_pd_decisions",
                                     "How requests were served: disaggregated, local_only (decode pool alone), "
+                                    "local_multi_choice (n>1: decode pool alone, nothing to pull), "
                                     "or prefill_failed (fell back to the decode pool).", ["decision"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Legs retried on another engine.", ["pool"], registry=r)
         self.picks = Counter("pdserve_router_endpoint_picks", "Legs sent to each endpoint.", ["pool", "endpoint"],
@@ -34,8 +47,23 @@ class RouterMetrics:
                              ["pool", "endpoint"], registry=r)
         self.feed_alive = Gauge("pdserve_router_coordinator_feed_alive",
                                 "1 while the coordinator feed is fresh (balancing on its counts).", registry=r)
-        for decision in (DISAGGREGATED, LOCAL_ONLY, PREFILL_FAILED):
+        self.kv_releases = Counter("pdserve_router_kv_releases",
+                                   "Prefill holds released because the decode leg would not pull them, by "
+                                   "outcome: released, not_held, failed.", ["outcome"], registry=r)
+        self.migrations = Counter("pdserve_router_migrations",
+                                  "Streams that broke after their first byte, by outcome: resumed (continued on "
+                                  "another decode engine) or failed (ended with an SSE error).", ["outcome"],
+                                  registry=r)
+        self.legs_interrupted = Counter("pdserve_router_legs_interrupted",
+                                        "Legs cut short, by leg and cause: timeout (a time bound) or ejected "
+                                        "(their endpoint was ejected while they waited).", ["leg", "cause"],
+                                        registry=r)
+        for decision in (DISAGGREGATED, LOCAL_ONLY, LOCAL_MULTI_CHOICE, PREFILL_FAILED):
             self.pd_decisions.labels(decision)
+        for outcome in (RELEASED, NOT_HELD, RELEASE_FAILED):
+            self.kv_releases.labels(outcome)
+        for outcome in (RESUMED, NOT_RESUMED):
+            self.migrations.labels(outcome)
 
     def endpoint_added(self, pool: str, url: str, healthy: bool) -> None:
         self.healthy.labels(pool, url).set(1 if healthy else 0)

@@ -4,32 +4,41 @@
    with max_tokens=1, stream=false, n=1 and kv_transfer_params={"do_remote_decode": true}.
 2. The original body plus the `kv_transfer_params` of that answer go to a decode engine, whose
    answer is passed back as it arrives.
-Faults: a prefill that fails, is refused or times out leaves the decode engine to compute the
-prompt itself; a decode engine failing before its first byte gets one retry elsewhere; after the
-first byte a failure becomes an SSE error event then `[DONE]`. Connection refusals eject the
-endpoint at once (the health checker re-admits it).
+Requests with n>1 (or best_of>1) skip step 1: the decode engine computes such prompts itself.
+
+Faults (every wait is bounded, and cut at once when its endpoint is ejected, see legs.py): a
+prefill that fails, is refused or times out leaves the decode engine to compute the prompt
+itself; a decode engine failing before its first byte gets one retry elsewhere; a prefill hold
+that no decode leg will pull (it failed, was refused, the client left) is released at once
+(release.py). A streamed single-choice answer that breaks after its first byte (the engine died,
+went silent, was ejected) continues on another decode engine (migration.py); other streams, or
+one out of migrations, end with an SSE error event then `[DONE]`. Connection refusals eject the
+endpoint at once (the health checker re-admits it); engines the coordinator marks stale take no
+new work while a fresh one is left.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pdserve.engine.server.errors import APIError
 from pdserve.router import metrics as m
 from pdserve.router.balancer import Candidate, Policy
 from pdserve.router.endpoints import Endpoint, Health, Pool, Pools, error_text
 from pdserve.router.feed import FeedState
+from pdserve.router.legs import LegFailed, Legs
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import StreamState, single_choice_stream
 from pdserve.router.prefix import prompt_block_hashes
+from pdserve.router.relay import DecodeStream, RelayResponse, Upstream, close_leg
+from pdserve.router.release import HoldReleaser
 
 log = logging.getLogger("pdserve.router")
 
@@ -40,10 +49,17 @@ PREFILL_DROPPED = ("stream_options", "best_of", "logprobs", "top_logprobs", "ech
 
 @dataclass
 class FlowSettings:
+    """Time bounds in seconds; the defaults and how they were chosen: `pdserve router --help`."""
+
     pd_min_prompt_tokens: int = 256
     connect_timeout: float = 2.0
-    prefill_timeout: float = 60.0
-    request_timeout: float = 600.0
+    prefill_timeout: float = 60.0             # a prefill leg's answer (max_tokens=1)
+    decode_first_byte_timeout: float = 120.0  # a streamed decode leg's first output
+    decode_idle_timeout: float = 60.0         # silence between two chunks of a streamed decode leg
+    request_timeout: float = 600.0            # a non-streamed decode leg's whole answer
+    max_connections_per_endpoint: int = 256   # legs in flight to one engine server
+    migration_limit: int = 1                  # continuations of one broken stream
+    release_timeout: float = 2.0              # a prefill hold release's answer
 
 
 @dataclass
@@ -69,8 +85,17 @@ class RoutedRequest:
         return self._hashes[block_size]
 
 
-class LegFailed(Exception):
-    """A leg that failed before sending the client anything: safe to fall back or retry."""
+@dataclass(frozen=True)
+class Hold:
+    """Prefill KV held for a decode leg: the prefill endpoint and the params it answered."""
+
+    endpoint: Endpoint
+    params: dict[str, Any]
+
+
+def multi_choice(body: dict[str, Any]) -> bool:
+    """n>1 or best_of>1: the decode engine ignores kv_transfer_params for these."""
+    return any(isinstance(body.get(name), int) and body[name] > 1 for name in ("n", "best_of"))
 
 
 def prefill_body(request: RoutedRequest) -> dict[str, Any]:
@@ -79,33 +104,6 @@ def prefill_body(request: RoutedRequest) -> dict[str, Any]:
     if request.route == "chat":
         body["max_completion_tokens"] = 1
     return body
-
-
-def sse_error(message: str, status: int = 503) -> bytes:
-    payload = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": status}}
-    return f"data: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode()
-
-
-class Leg:
-    """Book-keeping of one request on one endpoint: in-flight count, gauge, leg time."""
-
-    def __init__(self, flow: "PDFlow", endpoint: Endpoint, leg: str) -> None:
-        self.flow, self.endpoint, self.leg = flow, endpoint, leg
-        self.started = time.perf_counter()
-        self.open = True
-        endpoint.in_flight += 1
-        flow.metrics.in_flight.labels(endpoint.pool, endpoint.url).inc()
-        flow.metrics.picks.labels(endpoint.pool, endpoint.url).inc()
-
-    def finish(self) -> None:
-        if not self.open:
-            return
-        self.open = False
-        self.endpoint.in_flight -= 1
-        metrics = self.flow.metrics
-        if self.endpoint.url in self.flow.pool(self.endpoint.pool).endpoints:
-            metrics.in_flight.labels(self.endpoint.pool, self.endpoint.url).dec()
-        metrics.leg_seconds.labels(self.leg).observe(time.perf_counter() - self.started)
 
 
 class PDFlow:
@@ -117,6 +115,10 @@ class PDFlow:
         self.metrics = metrics
         self.settings = settings
         self.feed = feed
+        self.legs = Legs(metrics, settings.max_connections_per_endpoint,
+                         known=lambda e: e.url in self.pool(e.pool).endpoints)
+        self.releaser = HoldReleaser(client, metrics, settings.release_timeout, settings.connect_timeout)
+        health.on_eject(self.legs.cut)
 
     def pool(self, name: str) -> Pool:
         return self.pools.prefill if name == self.pools.prefill.name else self.pools.decode
@@ -124,24 +126,35 @@ class PDFlow:
     # -- picking ---------------------------------------------------------------------------------
 
     def describe(self, endpoint: Endpoint, request: RoutedRequest | None, pool: Pool) -> Candidate:
-        report = self.feed.report(endpoint.address) if self.feed is not None else None
+        # A data-parallel rank is an engine of its own: its own report, engine id and cached blocks.
+        report = self.feed.report(*pool.feed_key(endpoint)) if self.feed is not None else None
         cached = 0
         if (report is not None and request is not None and report.block_size
                 and pool.balancer.policy is Policy.PREFIX_AWARE):
             cached = self.feed.blocks.matches(report.engine_id, request.block_hashes(report.block_size))  # type: ignore[union-attr]
-        return Candidate(endpoint.address, endpoint.in_flight, report.load if report is not None else None, cached)
+        return Candidate(pool.balance_key(endpoint), endpoint.in_flight, report.load if report is not None else None,
+                         cached)
 
     def pick(self, pool: Pool, request: RoutedRequest | None, exclude: tuple[str, ...] = ()) -> Endpoint | None:
-        candidates = pool.healthy(exclude)
+        # Pods whose ranks the feed lists are offered rank by rank (`exclude` lists pod URLs).
+        candidates = pool.candidates(exclude, self.feed.ranks if self.feed is not None else None)
         if not candidates:
             return None
-        return pool.pick(candidates, lambda e: self.describe(e, request, pool))
+        # The coordinator marks an engine stale when its reports stop (a frozen core): no new work
+        # goes there while a fresh engine is left; with none left, a stale one beats a failure.
+        fresh = [e for e in candidates if not self.stale(e, pool)]
+        return pool.pick(fresh or candidates, lambda e: self.describe(e, request, pool))
+
+    def stale(self, endpoint: Endpoint, pool: Pool) -> bool:
+        report = self.feed.report(*pool.feed_key(endpoint)) if self.feed is not None else None
+        return report is not None and report.load.stale
 
     def refused(self, endpoint: Endpoint, exc: Exception) -> None:
         if isinstance(exc, httpx.ConnectError):
             self.health.set(endpoint, False, f"connection failed: {error_text(exc)}")
 
-    def timeout(self, total: float) -> httpx.Timeout:
+    def timeout(self, total: float | None) -> httpx.Timeout:
+        # The legs' own bounds (Leg.within) are the real ones; httpx's only bound the connect.
         return httpx.Timeout(total, connect=self.settings.connect_timeout)
 
     # -- the request -----------------------------------------------------------------------------
@@ -155,8 +168,13 @@ class PDFlow:
 
     async def serve(self, request: RoutedRequest) -> Response:
         request.body.pop("kv_transfer_params", None)  # only the router sets these
-        kv_params: dict[str, Any] | None = None
-        if self.wants_prefill(request):
+        hold: Hold | None = None
+        if not self.wants_prefill(request):
+            self.metrics.pd_decisions.labels(m.LOCAL_ONLY).inc()
+        elif multi_choice(request.body):
+            # Never disaggregate what will not be pulled: the blocks would sit held until they expire.
+            self.metrics.pd_decisions.labels(m.LOCAL_MULTI_CHOICE).inc()
+        else:
             try:
                 outcome = await self.prefill(request)
             except LegFailed as exc:
@@ -165,21 +183,24 @@ class PDFlow:
             else:
                 if isinstance(outcome, Response):
                     return outcome  # the engine refused the request itself (4xx): the client's answer
-                kv_params = outcome
+                hold = outcome
                 self.metrics.pd_decisions.labels(m.DISAGGREGATED).inc()
-        else:
-            self.metrics.pd_decisions.labels(m.LOCAL_ONLY).inc()
-        return await self.decode(request, kv_params)
+        return await self.decode(request, hold)
 
-    async def prefill(self, request: RoutedRequest) -> dict[str, Any] | None | Response:
+    async def prefill(self, request: RoutedRequest) -> Hold | None | Response:
         endpoint = self.pick(self.pools.prefill, request)
         if endpoint is None:
             raise LegFailed("no healthy engine in the prefill pool")
-        leg = Leg(self, endpoint, "prefill")
+        leg = self.legs.open(endpoint, "prefill")
+
+        async def answer() -> httpx.Response:
+            await leg.take_slot()
+            return await self.client.post(f"{endpoint.url}{request.path}", json=prefill_body(request),
+                                          headers=dict(request.headers, **endpoint.extra_headers),
+                                          timeout=self.timeout(self.settings.prefill_timeout))
+
         try:
-            response = await self.client.post(f"{endpoint.url}{request.path}", json=prefill_body(request),
-                                              headers=request.headers,
-                                              timeout=self.timeout(self.settings.prefill_timeout))
+            response = await leg.within(self.settings.prefill_timeout, answer(), "prefill answer")
         except httpx.HTTPError as exc:
             self.refused(endpoint, exc)
             raise LegFailed(f"{endpoint.url}: {error_text(exc)}") from None
@@ -196,120 +217,102 @@ class PDFlow:
         if response.status_code != 200:
             raise LegFailed(f"{endpoint.url} answered {response.status_code}: {response.text[:200]}")
         try:
-            answer = response.json()
+            answer_body = response.json()
         except ValueError:
             raise LegFailed(f"{endpoint.url} answered with invalid JSON") from None
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        return params if isinstance(params, dict) else None
+        params = answer_body.get("kv_transfer_params") if isinstance(answer_body, dict) else None
+        return Hold(endpoint, params) if isinstance(params, dict) else None
 
-    async def decode(self, request: RoutedRequest, kv_params: dict[str, Any] | None) -> Response:
-        body = dict(request.body, kv_transfer_params=kv_params) if kv_params else request.body
+    def release(self, hold: Hold | None, request: RoutedRequest, why: str) -> None:
+        if hold is not None:
+            self.releaser.release(hold.endpoint, hold.params, request.headers, why)
+
+    async def decode(self, request: RoutedRequest, hold: Hold | None) -> Response:
+        state = (StreamState.for_request(request.route, request.body) if self.settings.migration_limit > 0
+                 and single_choice_stream(request.body, request.stream, request.single_prompt) else None)
+        body = dict(request.body, kv_transfer_params=hold.params) if hold is not None else request.body
+        if state is not None:
+            body = state.decode_body(body)
         payload = json.dumps(body).encode()
         headers = dict(request.headers, **{"content-type": "application/json"})
         tried: list[str] = []
         failure = "no healthy engine in the decode pool"
-        for attempt in range(2):
-            endpoint = self.pick(self.pools.decode, None if kv_params else request, tuple(tried))
-            if endpoint is None:
-                break
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
-            tried.append(endpoint.url)
-            try:
-                return await self.open_decode(endpoint, request, payload, headers)
-            except LegFailed as exc:
-                failure = str(exc)
-                log.warning("decode leg failed before its first byte%s: %s",
-                            "" if attempt else ", retrying on another engine", exc)
-        self.metrics.errors.labels("no_engine" if not tried else "decode_failed").inc()
-        status = 503 if not tried else 502
-        raise APIError(status, f"No decode engine could serve the request: {failure}.",
-                       code="no_engines" if not tried else "upstream_failed")
-
-    async def open_decode(self, endpoint: Endpoint, request: RoutedRequest, payload: bytes,
-                          headers: dict[str, str]) -> Response:
-        leg = Leg(self, endpoint, "decode")
-        upstream: httpx.Response | None = None
-        streaming = False  # once True, relay() owns the upstream response and the leg
+        taken = False  # the decode leg took the prefill hold over (pulled it, or owns its release)
         try:
-            upstream = await self.client.send(
-                self.client.build_request("POST", f"{endpoint.url}{request.path}", content=payload, headers=headers,
-                                          timeout=self.timeout(self.settings.request_timeout)),
+            for attempt in range(2):
+                endpoint = self.pick(self.pools.decode, None if hold is not None else request, tuple(tried))
+                if endpoint is None:
+                    break
+                if attempt:
+                    self.metrics.retries.labels("decode").inc()
+                tried.append(endpoint.url)
+                try:
+                    opened = await self.open_decode(endpoint, request.path, payload, headers, request.stream)
+                except LegFailed as exc:
+                    failure = str(exc)
+                    log.warning("decode leg failed before its first byte%s: %s",
+                                "" if attempt else ", retrying on another engine", exc)
+                    continue
+                if isinstance(opened, Response):
+                    taken = opened.status_code == 200
+                    return opened
+                stream = DecodeStream(self, request, state, opened, tried, headers, hold)
+                taken = True
+                return RelayResponse(stream.events(), release=stream.close,
+                                     media_type=opened.response.headers.get("content-type", "text/event-stream"),
+                                     headers=STREAM_HEADERS)
+            self.metrics.errors.labels("no_engine" if not tried else "decode_failed").inc()
+            status = 503 if not tried else 502
+            raise APIError(status, f"No decode engine could serve the request: {failure}.",
+                           code="no_engines" if not tried else "upstream_failed")
+        finally:
+            # Failed, refused (4xx) or cancelled (the client left) before any decode leg took the
+            # prefill's blocks: nobody will pull them.
+            if not taken:
+                self.release(hold, request, "the decode leg did not take it")
+
+    async def open_decode(self, endpoint: Endpoint, path: str, payload: bytes, headers: dict[str, str],
+                          stream: bool) -> Response | Upstream:
+        """A decode leg up to its first byte (streamed) or its whole answer; raises LegFailed when
+        another engine may still serve the request (no byte reached the client)."""
+        leg = self.legs.open(endpoint, "decode")
+        opened: list[httpx.Response] = []  # the engine's response once there: closed unless handed on
+        kept = False
+
+        async def first_answer() -> Response | Upstream:
+            await leg.take_slot()
+            response = await self.client.send(
+                self.client.build_request("POST", f"{endpoint.url}{path}", content=payload,
+                                          headers=dict(headers, **endpoint.extra_headers), timeout=self.timeout(None)),
                 stream=True)
-            if upstream.status_code >= 500:
-                text = (await upstream.aread())[:200].decode(errors="replace")
-                raise LegFailed(f"{endpoint.url} answered {upstream.status_code}: {text}")
-            if upstream.status_code != 200 or not request.stream:
-                content = await upstream.aread()
-                if upstream.status_code != 200:
-                    self.metrics.errors.labels("upstream_4xx").inc()
-                return passthrough(upstream.status_code, content, upstream.headers)
+            opened.append(response)
+            if response.status_code >= 500:
+                text = (await response.aread())[:200].decode(errors="replace")
+                raise LegFailed(f"{endpoint.url} answered {response.status_code}: {text}")
+            if response.status_code != 200 or not stream:
+                return passthrough(response.status_code, await response.aread(), response.headers)
             # Wait for the first chunk before answering: until then a failure can still be retried.
-            chunks = upstream.aiter_raw()
-            first = await anext(chunks, b"")
-            streaming = True
-            return RelayResponse(self.relay(first, chunks, upstream, leg), release=partial(release, upstream, leg),
-                                 media_type=upstream.headers.get("content-type", "text/event-stream"),
-                                 headers=STREAM_HEADERS)
+            chunks = response.aiter_raw()
+            return Upstream(leg, response, chunks, await anext(chunks, b""))
+
+        try:
+            if stream:
+                outcome = await leg.within(self.settings.decode_first_byte_timeout, first_answer(), "first byte")
+            else:
+                outcome = await leg.within(self.settings.request_timeout, first_answer(), "answer")
+            if isinstance(outcome, Upstream):
+                kept = True
+            elif outcome.status_code != 200:
+                self.metrics.errors.labels("upstream_4xx").inc()
+            return outcome
         except httpx.HTTPError as exc:
             self.refused(endpoint, exc)
             raise LegFailed(f"{endpoint.url}: {error_text(exc)}") from None
         finally:
-            if not streaming:
-                await release(upstream, leg)
-
-    async def relay(self, first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,
-                    leg: Leg) -> AsyncIterator[bytes]:
-        """The decode engine's stream, chunk by chunk as it arrives; a failure becomes an SSE error."""
-        last = first
-        try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                if chunk:
-                    last = chunk
-                    yield chunk
-        except httpx.HTTPError as exc:
-            self.metrics.errors.labels("mid_stream").inc()
-            log.warning("decode stream from %s broke: %s", leg.endpoint.url, error_text(exc))
-            # Close a half-sent event first, so the error is an event of its own.
-            yield (b"" if not last or last.endswith(b"\n\n") else b"\n\n") + sse_error(
-                f"The decode engine failed mid-stream: {error_text(exc)}")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await release(upstream, leg)
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that releases the upstream leg even if its body is never iterated
-    (the client gone before the first send): the generator's own `finally` never runs then."""
-
-    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self.release = release
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.release()
-
-
-async def release(upstream: httpx.Response | None, leg: Leg) -> None:
-    """Close the engine's response (the engine then aborts the request) and end the leg; idempotent."""
-    leg.finish()
-    await close_quietly(upstream)
+            if not kept:
+                with anyio.CancelScope(shield=True):
+                    await close_leg(opened[0] if opened else None, leg)
 
 
 def passthrough(status: int, content: bytes, headers: httpx.Headers) -> Response:
     return Response(content=content, status_code=status, media_type=headers.get("content-type", "application/json"))
-
-
-async def close_quietly(response: httpx.Response | None) -> None:
-    if response is None:
-        return
-    try:
-        await response.aclose()
-    except Exception:  # closing a broken connection can fail again; nothing is left to do
-        pass

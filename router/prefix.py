@@ -83,32 +83,7 @@ class BlockIndex:
         return leading_matches(hashes, self._held.get(engine_id, set()))
 
 
-# --- the prompt's token ids ---------------------------------------------------------------------------
-
-class LocalTokenizer:
-    """Token ids of a request body with the model's own tokenizer, as the engine computes them."""
-
-    def __init__(self, path: str) -> None:
-        from pdserve.engine.frontend.tokenizer import load_tokenizer
-
-        self.tokenizer = load_tokenizer(path)
-
-    def completion(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
-    def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-             template_kwargs: dict[str, Any] | None) -> list[int]:
-        from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
-
-        check_chat_template_kwargs(template_kwargs or {})  # a client's own template never runs here either
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                 **(template_kwargs or {}))
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-
+# --- without a tokenizer --------------------------------------------------------------------------------
 
 def estimate_tokens(text_chars: int) -> int:
     """Without a tokenizer: about 4 characters per token for English text."""

@@ -144,6 +144,44 @@ def test_with_a_ratio_a_manual_edit_pauses_both_pools():
     assert decision.replicas == {"prefill": 2, "decode": 3}
 
 
+# --- data-parallel pods: targets are per engine (rank), replicas are pods of ranks ----------------------
+
+DP2 = spec(decode={"replicas": 1, "dataParallelSize": 2,
+                   "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "targetKVUsage": 0.8,
+                                   "targetWaitingPerReplica": 4, "scaleDownDelaySeconds": 0}})
+
+
+def dp_stats(*ranks: tuple[int, float]) -> dict:
+    """/stats of one DP pod from (waiting, kv_usage) per rank: every rank reports the pod's address,
+    under its own engine id."""
+    return {"engines": [{"id": f"d-dp{r}", "role": "decode", "address": "10.0.0.1:8000", "dp_rank": r,
+                         "waiting": waiting, "running": 0, "kv_usage": kv, "stale": False}
+                        for r, (waiting, kv) in enumerate(ranks)]}
+
+
+def test_a_dp2_pod_at_07_kv_usage_with_target_08_stays_one_pod():
+    loads = parse_stats(dp_stats((0, 0.7), (0, 0.7)))
+    assert loads == {"decode": PoolLoad(engines=2, waiting=0, running=0, kv_usage=1.4)}
+    decision = decide(DP2, {"prefill": 1, "decode": 1}, loads, {}, T0)
+    assert decision.replicas == {"decode": 1} and not decision.scaled  # 1.4 / 0.8 / 2 ranks = 0.875 pods
+
+
+@pytest.mark.parametrize(("ranks", "pods"), [
+    (((0, 0.9), (0, 0.95)), 2),  # both ranks above target: 1.85 / 0.8 / 2 = 1.16 pods
+    (((10, 0.5), (9, 0.5)), 3),  # 19 queued at 4 per engine: 4.75 engines = 2.4 pods
+    (((1, 0.8), (0, 0.8)), 1),  # exactly at target: stays
+])
+def test_busy_ranks_scale_a_dp_pool_in_pods(ranks, pods):
+    decision = decide(DP2, {"prefill": 1, "decode": 1}, parse_stats(dp_stats(*ranks)), {}, T0)
+    assert decision.replicas == {"decode": pods}
+
+
+def test_dp_size_divides_the_engines_needed_into_pods():
+    bounds = DP2.decode.autoscaling
+    load = PoolLoad(engines=4, waiting=0, running=0, kv_usage=3.6)  # 4.5 engines' worth at 0.8
+    assert [recommend(bounds, load, ranks) for ranks in (1, 2, 4)] == [5, 3, 2]
+
+
 def test_memory_survives_the_annotation():
     from pdserve.operator.autoscaler import write_memory
 

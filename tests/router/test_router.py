@@ -250,12 +250,14 @@ def test_pd_flow_sends_a_prefill_leg_then_the_decode_leg(pool, tmp):
         for chunk in streamed:
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
-        assert texts == {0: expected, 1: expected}  # n reaches the decode leg, the prefill leg runs once
+        # n>1 is never disaggregated (the decode engine pulls one choice's KV): decode alone serves it.
+        assert texts == {0: expected, 1: expected}
         chat = client(r).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}],
                                                  max_tokens=8, temperature=0)
         assert chat.choices[0].message.content == expected_chat.choices[0].message.content
-        assert metric_total(r.url, "pdserve_router_pd_decisions_total", decision="disaggregated") == 3
-        assert metric_total(r.url, "pdserve_router_leg_seconds_count", leg="prefill") == 3
+        assert metric_total(r.url, "pdserve_router_pd_decisions_total", decision="disaggregated") == 2
+        assert metric_total(r.url, "pdserve_router_pd_decisions_total", decision="local_multi_choice") == 1
+        assert metric_total(r.url, "pdserve_router_leg_seconds_count", leg="prefill") == 2
         # A request the prefill engine refuses (4xx) gets that answer, unchanged, and no decode leg.
         too_long = {"model": MODEL, "prompt": LONG_PROMPT * 3, "max_tokens": 4}  # over max-model-len 512
         refused = httpx.post(f"{r.base_url}/completions", json=too_long, timeout=30)
@@ -263,10 +265,9 @@ def test_pd_flow_sends_a_prefill_leg_then_the_decode_leg(pool, tmp):
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
         assert refused.json() == direct.json()
         assert metric_total(r.url, "pdserve_router_leg_seconds_count", leg="decode") == 3
-        assert metric_total(r.url, "pdserve_router_leg_seconds_count", leg="decode") == 3
         # Both engines really ran their leg: one prefill request each (max_tokens=1), then decode.
-        wait_until(lambda: successes(prefill) - before_prefill == 3, "the prefill engine's 3 requests")
-        assert metric_total(prefill.url, "vllm:request_success_total", finished_reason="length") >= 3
+        wait_until(lambda: successes(prefill) - before_prefill == 2, "the prefill engine's 2 requests")
+        assert metric_total(prefill.url, "vllm:request_success_total", finished_reason="length") >= 2
         # The decode engine counts each finished choice: 1 + 2 (n=2) + 1.
         wait_until(lambda: successes(decode) - before_decode == 4, "the decode engine's 4 choices")
 
@@ -549,13 +550,13 @@ def test_feed_counts_steer_picks_until_the_coordinator_goes_silent(pool, tmp):
             for i in range(12):  # 12 picks bump the idle one to 48, still below the others' 80
                 complete(r, f"steer {i}", 1)
             assert spread(three, before) == [0, 0, 12]
-            # Engines marked stale: the whole pool balances on the router's own counts.
+            # Engines the coordinator marks stale (no report for 3 s: frozen or gone) get no new picks.
             stale.set()
             time.sleep(0.3)
             before = [successes(e) for e in three]
             for i in range(9):
                 complete(r, f"stale {i}", 1)
-            assert spread(three, before) == [3, 3, 3]
+            assert spread(three, before) == [0, 0, 9]
             # The coordinator goes silent: after 3 s the router falls back to its own counts.
             stale.clear()
             time.sleep(0.3)
@@ -629,9 +630,11 @@ LONG_ENGINE_ARGS = ("--max-model-len", "4096", "--num-kv-blocks", "600")
 
 
 def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(model_dir, tmp):
+    # Without migration (--migration-limit 0) a broken stream ends in an SSE error event; streams that
+    # move to another engine are tests/faults/test_migration.py's.
     model = model_dir("llama_long")
     with engines(model, tmp, 2, *LONG_ENGINE_ARGS) as (victim, survivor), \
-            router(tmp, "--decode", victim.url, survivor.url) as r:
+            router(tmp, "--decode", victim.url, survivor.url, "--migration-limit", "0") as r:
         # Four long streams: the router spreads them, two per engine.
         results: dict[int, object] = {}
         first_chunk = [threading.Event() for _ in range(4)]
