@@ -3,11 +3,17 @@
 Starts, as child processes on 127.0.0.1: the coordinator, the KV store (with the kvstore
 connector), N prefill and M decode engine servers and the router on --port; waits until each
 answers /health; prints how to call it; then shows the engines' load from the coordinator until
-Ctrl-C or SIGTERM, which stops every child and exits 0.
+Ctrl-C or SIGTERM.
 
-A child that dies is reported (which one, its exit code, the end of its log) and `up` then stops
-the rest and exits 1: a stack with a missing piece would serve wrong or slow answers, and the
-log of the first failure is the useful one. Restarting it is the user's call.
+Once up, it supervises (stack.Supervisor): a child that dies, an engine server whose core died,
+or a child that stops answering for long is restarted with the same command and ports after a
+backoff, while the rest keeps serving; each restart is one log line and shows in the status. A
+child that keeps failing (--max-restarts within --restart-window) makes `up` stop the stack and
+exit 1 with that child's log tail. A child that fails while the stack is first starting is not
+retried: that is a configuration error, and its log says which.
+
+Ctrl-C or SIGTERM drains in order: the router stops taking requests and finishes those in flight
+(through both legs), then the engines stop, then the coordinator and the KV store; then exit 0.
 """
 
 from __future__ import annotations
@@ -22,17 +28,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import httpx
 
 from pdserve.engine.cores import usable_cores
 from pdserve.engine.internal_auth import ENV_KEY, generate_key
-from pdserve.stack import Child, ChildExited, Component, Stack, describe_death, free_ports, port_in_use
+from pdserve.stack import (Child, ChildExited, Component, Event, GaveUp, RestartPolicy, Stack, Supervisor,
+                           describe_death, free_ports, port_in_use)
 
 LOCAL = "127.0.0.1"
 TTY_REFRESH_S = 2.0
 LOG_REFRESH_S = 10.0  # not a TTY: print the status on change, at most this often
+LOOP_INTERVAL_S = 0.2
+
+# The order of a drain: the router first (its in-flight requests need the engines), then the engines
+# (what they hold in flight), then what the engines report to and store into.
+STOP_ROUTER, STOP_ENGINES, STOP_SERVICES = 0, 1, 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,9 +67,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU: KV cache bytes per engine (several engines share this machine's memory)")
     p.add_argument("--kvstore-capacity", default="1Gi", help="the KV store's capacity (bytes or 4Gi-style)")
     p.add_argument("--run-dir", type=Path, help="where the children's logs go (default: a new folder in /tmp)")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every child's /health")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds the children get to finish after SIGTERM before SIGKILL")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every child's /health (at start, and for a restarted child)")
+    p.add_argument("--drain-timeout", "--shutdown-timeout", dest="drain_timeout", type=float, default=30.0,
+                   help="on Ctrl-C/SIGTERM: seconds in all for the router's in-flight requests to finish and the "
+                        "children to exit, in order (router, engines, coordinator and store); then SIGKILL. "
+                        "A second Ctrl-C kills at once")
+    supervision = p.add_argument_group("supervision (once the stack is up)")
+    supervision.add_argument("--restart-backoff", type=float, default=1.0,
+                             help="seconds before restarting a failed child, doubled for each further restart "
+                                  "within --restart-window (at most 30 s)")
+    supervision.add_argument("--max-restarts", type=int, default=5,
+                             help="a child failing again after this many restarts within --restart-window makes "
+                                  "`up` stop the stack and exit 1")
+    supervision.add_argument("--restart-window", type=float, default=300.0,
+                             help="seconds over which --max-restarts counts")
+    supervision.add_argument("--unresponsive-timeout", type=float, default=60.0,
+                             help="seconds a child may leave /health unanswered (or an engine report its core "
+                                  "unresponsive) before it is restarted; a dead engine core is restarted at once")
 
 
 # --- the plan: which processes, with which flags --------------------------------------------------
@@ -109,14 +135,14 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
     stats_port, publish_port, coordinator_http = next(ports), next(ports), next(ports)
     components = [Component("coordinator", (
         "coordinator", "--host", LOCAL, "--stats-port", str(stats_port), "--publish-port", str(publish_port),
-        "--http-port", str(coordinator_http)), f"http://{LOCAL}:{coordinator_http}/health")]
+        "--http-port", str(coordinator_http)), f"http://{LOCAL}:{coordinator_http}/health", stop_rank=STOP_SERVICES)]
     kvstore_url = None
     if kvstore:
         store_port, store_http = next(ports), next(ports)
         kvstore_url = f"tcp://{LOCAL}:{store_port}"
         components.append(Component("kvstore", (
             "kvstore", "--host", LOCAL, "--port", str(store_port), "--capacity", str(args.kvstore_capacity),
-            "--http-port", str(store_http)), f"http://{LOCAL}:{store_http}/health"))
+            "--http-port", str(store_http)), f"http://{LOCAL}:{store_http}/health", stop_rank=STOP_SERVICES))
 
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     names: dict[str, str] = {}
@@ -149,7 +175,7 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
             url = f"http://{LOCAL}:{port}"
             urls[role].append(url)
             names[f"{LOCAL}:{port}"] = name
-            components.append(Component(name, tuple(argv), f"{url}/health", env=engine_env))
+            components.append(Component(name, tuple(argv), f"{url}/health", env=engine_env, stop_rank=STOP_ENGINES))
 
     router_host = LOCAL if args.host in ("0.0.0.0", "::", "") else args.host
     router = ["router", "--host", args.host, "--port", str(args.port), "--model", model.name,
@@ -165,7 +191,7 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
         router += ["--tokenizer", model.tokenizer]
     endpoint = f"http://{router_host}:{args.port}"
     # The router starts last: it health-checks its engines at start, and ejects any still loading.
-    components.append(Component("router", tuple(router), f"{endpoint}/health", stage=1))
+    components.append(Component("router", tuple(router), f"{endpoint}/health", stage=1, stop_rank=STOP_ROUTER))
     return Plan(components, endpoint, f"http://{LOCAL}:{coordinator_http}/stats", names)
 
 
@@ -191,7 +217,7 @@ def banner(url: str, model: str, run_dir: Path, stats_url: str) -> str:
     ]
     if model == "demo":
         lines.append("The demo model has random weights: its text is gibberish, by design.")
-    lines += ["Ctrl-C stops everything.", ""]
+    lines += ["Ctrl-C drains in-flight requests and stops everything (a second Ctrl-C kills at once).", ""]
     return "\n".join(lines)
 
 
@@ -227,13 +253,26 @@ def format_line(rows: list[tuple[str, ...]]) -> str:
     return f"[status {time.strftime('%H:%M:%S')}] " + (" | ".join(parts) if parts else "no engine has reported yet")
 
 
-class StatusView:
-    """The engines' load from the coordinator: redrawn in place on a TTY, else a line on change."""
+def supervision_note(restarts: dict[str, int], restarting: list[str]) -> str:
+    """'restarts: coordinator=1 decode-0=2; restarting: decode-0', or '' while nothing was restarted."""
+    parts = []
+    if restarts:
+        parts.append("restarts: " + " ".join(f"{name}={count}" for name, count in restarts.items()))
+    if restarting:
+        parts.append("restarting: " + " ".join(restarting))
+    return "; ".join(parts)
 
-    def __init__(self, stats_url: str, names: dict[str, str], out: TextIO) -> None:
+
+class StatusView:
+    """The engines' load from the coordinator, and the supervisor's restarts: redrawn in place on a
+    TTY, else a line on change."""
+
+    def __init__(self, stats_url: str, names: dict[str, str], out: TextIO,
+                 supervision: Callable[[], str] = lambda: "") -> None:
         self.stats_url = stats_url
         self.names = names
         self.out = out
+        self.supervision = supervision
         self.tty = out.isatty()
         self.interval = TTY_REFRESH_S if self.tty else LOG_REFRESH_S
         self.client = httpx.Client(timeout=1.0, trust_env=False)
@@ -258,18 +297,21 @@ class StatusView:
             return
         self.next_poll = now + (TTY_REFRESH_S if self.tty else 1.0)
         state = self._fetch()
+        note = self.supervision()
         if self.tty:
             lines = [f"engine load at {time.strftime('%H:%M:%S')}:",
-                     *([f"  {state}"] if isinstance(state, str) else format_table(state))]
+                     *([f"  {state}"] if isinstance(state, str) else format_table(state)),
+                     *([f"  {note}"] if note else [])]
             # Move up over the previous table and clear to the end of the screen, then redraw.
             prefix = f"\x1b[{self.drawn_lines}F\x1b[J" if self.drawn_lines else ""
             self.out.write(prefix + "\n".join(lines) + "\n")
             self.drawn_lines = len(lines)
         else:
-            key = state if isinstance(state, str) else [row for row in state]
+            key = (state if isinstance(state, str) else [row for row in state], note)
             if key == self.last_printed or now - self.last_print_at < LOG_REFRESH_S:
                 return
-            self.out.write((state if isinstance(state, str) else format_line(state)) + "\n")
+            line = f"[status {time.strftime('%H:%M:%S')}] {state}" if isinstance(state, str) else format_line(state)
+            self.out.write(line + (f" || {note}" if note else "") + "\n")
             self.last_printed, self.last_print_at = key, now
         self.out.flush()
 
@@ -317,6 +359,22 @@ def _error(text: str) -> None:
     print(f"pdserve up: {text}", file=sys.stderr, flush=True)
 
 
+def _field(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=\\') else text
+
+
+def format_event(event: Event) -> str:
+    """One key=value line per supervision event, greppable and parseable."""
+    fields = {"event": f"child_{event.kind}", "child": event.child.name, **event.fields}
+    return "pdserve up: " + " ".join(f"{key}={_field(value)}" for key, value in fields.items())
+
+
+def _policy(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(backoff_s=args.restart_backoff, max_restarts=args.max_restarts, window_s=args.restart_window,
+                         ready_timeout_s=args.ready_timeout, unresponsive_s=args.unresponsive_timeout)
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.decode < 1:
         return "--decode must be at least 1 (the decode pool serves every request)"
@@ -326,6 +384,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--pd-min-prompt-tokens must be 0 or more"
     if not 0 < args.port < 65536:
         return f"--port {args.port} is not a TCP port"
+    for value, name in ((args.restart_backoff, "--restart-backoff"), (args.restart_window, "--restart-window"),
+                        (args.unresponsive_timeout, "--unresponsive-timeout"), (args.drain_timeout, "--drain-timeout")):
+        if value < 0:
+            return f"{name} must be 0 or more"
+    if args.max_restarts < 0:
+        return "--max-restarts must be 0 or more"
     if port_in_use(args.host, args.port):
         return f"port {args.port} on {args.host} is already in use (choose another with --port)"
     return None
@@ -355,10 +419,22 @@ def run(args: argparse.Namespace) -> int:
         try:
             return _serve(stack, plan, model, run_dir, args, signals)
         finally:
-            if any(not c.exited() for c in stack.children):
-                _say(f"pdserve up: stopping {len(stack.children)} processes ...")
-            stack.stop(grace=args.shutdown_timeout, force=lambda: signals.count > 1)
-            _say("pdserve up: stopped")
+            _stop(stack, args.drain_timeout, signals)
+
+
+def _stop(stack: Stack, drain_timeout: float, signals: Signals) -> None:
+    def step(group: list[Child]) -> None:
+        names = ", ".join(c.name for c in group)
+        if any(c.component.stop_rank == STOP_ROUTER for c in group):
+            _say(f"pdserve up: draining {names}: no new requests, finishing those in flight ...")
+        else:
+            _say(f"pdserve up: stopping {names} ...")
+
+    if any(not c.exited() for c in stack.children):
+        _say(f"pdserve up: stopping {len(stack.children)} processes in order (at most {drain_timeout:g}s; "
+             f"Ctrl-C again to kill them now) ...")
+    stack.stop(grace=drain_timeout, force=lambda: signals.count > 1, on_step=step)
+    _say("pdserve up: stopped")
 
 
 def _serve(stack: Stack, plan: Plan, model: ModelSource, run_dir: Path, args: argparse.Namespace,
@@ -388,17 +464,24 @@ def _serve(stack: Stack, plan: Plan, model: ModelSource, run_dir: Path, args: ar
         _error(f"{exc} (see the logs in {run_dir})")
         return 1
     _say(banner(plan.endpoint, model.name, run_dir, plan.stats_url))
-    view = StatusView(plan.stats_url, plan.engine_names, sys.stdout)
+    supervisor = Supervisor(stack, _policy(args))
+    view = StatusView(plan.stats_url, plan.engine_names, sys.stdout,
+                      supervision=lambda: supervision_note(supervisor.restarts(), supervisor.restarting()))
     try:
         while not signals.stop_requested:
-            dead = stack.first_exited()
-            if dead is not None:
+            try:
+                events = supervisor.check()
+            except GaveUp as exc:
                 view.forget_drawing()
-                _error(f"{dead.name} stopped unexpectedly; stopping the stack.\n" + describe_death(dead))
+                _error(f"{exc}; stopping the stack.\n" + describe_death(exc.child, reason=exc.reason))
                 return 1
+            for event in events:
+                view.forget_drawing()
+                print(format_event(event), file=sys.stderr, flush=True)
             view.tick(time.monotonic())
-            time.sleep(0.2)
+            time.sleep(LOOP_INTERVAL_S)
     finally:
         view.close()
+        supervisor.close()
     _say(f"\npdserve up: {signal.Signals(signals.first).name if signals.first else 'stop'} received")
     return 0

@@ -1,7 +1,8 @@
 """`pdserve up` as a user runs it: a real process that starts the whole P/D stack on 127.0.0.1.
 
 One stack (1 prefill + 2 decode, p2p, every prompt disaggregated) serves the OpenAI API tests and
-is finally stopped with SIGTERM; a second, small one (kvstore connector) loses a child to kill -9.
+is finally stopped with SIGTERM; a second, small one (kvstore connector) loses its coordinator to
+kill -9 over and over until `up` gives up. (Restarts that succeed: tests/faults/test_up_supervision.py.)
 The expected outputs come from one offline engine (the `LLM` class) on the same checkpoint.
 """
 
@@ -214,19 +215,35 @@ def test_sigterm_stops_every_child_and_exits_0(stack):
     stack.wait_for(r"pdserve up: stopped", timeout=5)
 
 
-def test_a_dead_child_is_reported_and_everything_stops(model, tmp_path):
+def test_a_child_that_keeps_dying_makes_up_give_up_with_its_log_and_stop_everything(model, tmp_path):
     stack = UpProcess(["--model", model, "--prefill", "1", "--decode", "1", "--kv-connector", "kvstore",
-                       "--pd-min-prompt-tokens", "0", "--dtype", "float32"], tmp_path / "run")
+                       "--pd-min-prompt-tokens", "0", "--dtype", "float32", "--restart-backoff", "0.2"], tmp_path / "run")
     try:
         endpoint = stack.wait_for(r"pdserve is up at (http://\S+)/v1", timeout=300).group(1)
         answer = client_for(stack, endpoint).completions.create(model=model, prompt=PROMPT, **GREEDY)
         assert answer.usage.completion_tokens == 16
+        http_port = stack.wait_for(r"ready\s+coordinator\s+\S+s\s+http://[\d.]+:(\d+)", timeout=1).group(1)
         children = stack.descendants()
-        victim = stack.child_named("prefill-0")
-        victim.kill()
-        assert stack.proc.wait(timeout=120) == 1
-        stack.wait_for(r"prefill-0 \(pid \d+\) was killed by SIGKILL", timeout=5)
-        stack.wait_for(r"Last lines of .*prefill-0\.log", timeout=5)
+        killed: list[int] = []
+        deadline = time.monotonic() + 120
+        # Each run of the coordinator is killed as soon as it appears: 1 + 5 restarts, then up gives up.
+        while stack.proc.poll() is None and time.monotonic() < deadline:
+            for child in stack.descendants():
+                try:
+                    argv = child.cmdline()
+                    if child.pid not in killed and "--http-port" in argv and argv[argv.index("--http-port") + 1] == http_port:
+                        child.kill()
+                        killed.append(child.pid)
+                except (psutil.NoSuchProcess, ValueError, IndexError):
+                    pass
+            time.sleep(0.05)
+        assert stack.proc.wait(timeout=60) == 1, stack.output
+        assert len(killed) == 6, killed
+        assert len(re.findall(r"event=child_restarted child=coordinator pid=\d+", stack.output)) == 5, stack.output
+        stack.wait_for(r"coordinator was killed by SIGKILL, after 5 restarts within 300s: giving up", timeout=5)
+        stack.wait_for(rf"coordinator \(pid {killed[-1]}\) was killed by SIGKILL", timeout=5)
+        stack.wait_for(r"Last lines of .*coordinator\.log", timeout=5)
+        stack.wait_for(r"pdserve up: stopped", timeout=5)
         assert gone(children, timeout=10) == []
     finally:
         stack.stop()
@@ -416,3 +433,59 @@ def test_engines_share_the_cores_unless_the_user_set_omp_num_threads(monkeypatch
     share = max(1, len(os.sched_getaffinity(0)) // 3)
     assert all(c.env == (("OMP_NUM_THREADS", str(share)),) for c in engines)
     assert all(c.env == () for c in others)  # the router and coordinator keep their defaults
+
+
+def test_status_notes_restarts_on_the_line_and_below_the_table():
+    import io
+
+    class Log(io.StringIO):
+        def isatty(self):
+            return False
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    note = {"text": ""}
+    stats = {"engines": [{"id": "d", "role": "decode", "address": "127.0.0.1:2", "waiting": 0, "running": 1,
+                          "kv_usage": 0.5, "stale": False}]}
+    log_out, tty_out = Log(), Terminal()
+    views = [up.StatusView("http://unused/stats", {"127.0.0.1:2": "decode-0"}, out, supervision=lambda: note["text"])
+             for out in (log_out, tty_out)]
+    for view in views:
+        view._fetch = lambda view=view: up.status_rows(stats, view.names)
+        view.tick(0.0)
+    assert "||" not in log_out.getvalue() and len(tty_out.getvalue().splitlines()) == 3
+    note["text"] = up.supervision_note({"coordinator": 1, "decode-0": 2}, ["decode-0"])
+    assert note["text"] == "restarts: coordinator=1 decode-0=2; restarting: decode-0"
+    for view in views:
+        view.tick(10.5)  # a change in the note alone is news
+    assert log_out.getvalue().splitlines()[-1].endswith(" || restarts: coordinator=1 decode-0=2; restarting: decode-0")
+    assert tty_out.getvalue().splitlines()[-1] == "  restarts: coordinator=1 decode-0=2; restarting: decode-0"
+    for view in views:
+        view.close()
+
+
+def test_supervision_events_are_one_key_value_line_each(tmp_path):
+    from pdserve.stack import Child, Component, Event
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    child = Child(Component("decode-0", ("serve",), "http://127.0.0.1:1/health"), proc, tmp_path / "x.log", 0.0)
+    line = up.format_event(Event("failed", child, {"pid": 42, "reason": "was killed by SIGKILL", "restart_in_s": 1.0,
+                                                   "restarts_in_window": "1/5"}))
+    assert line == ('pdserve up: event=child_failed child=decode-0 pid=42 reason="was killed by SIGKILL" '
+                    'restart_in_s=1.0 restarts_in_window=1/5')
+
+
+def test_restart_backoff_doubles_up_to_its_cap():
+    from pdserve.stack import RestartPolicy
+
+    policy = RestartPolicy(backoff_s=1.0, backoff_max_s=30.0)
+    assert [policy.backoff(n) for n in range(1, 8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_plan_drains_the_router_first_and_stops_coordinator_and_store_last():
+    plan = plan_for("--prefill", "1", "--decode", "1", "--kv-connector", "kvstore")
+    ranks = {c.name: c.stop_rank for c in plan.components}
+    assert ranks["router"] < ranks["prefill-0"] == ranks["decode-0"] < ranks["coordinator"] == ranks["kvstore"]
