@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 # `make serve MODEL=demo` for the random-weight test model, or any model directory / .gguf file.
 MODEL ?= smollm2
 
-.PHONY: install test test-gpu serve bench clean
+.PHONY: install test test-faults test-gpu serve bench clean
 
 install: $(VENV)/.installed
 
@@ -32,7 +32,14 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 # The CPU suite; tests marked gpu need a CUDA GPU and run with `make test-gpu` on such a machine.
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not gpu" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not gpu and not faults" $(PYTEST_ARGS)
+
+# The fault suite: whole stacks whose processes are killed, frozen and restarted under load.
+# FAULT_RUNS=3 runs it three times in a row (a flaky fault test is a bug).
+FAULT_RUNS ?= 1
+test-faults: install
+	for run in $$(seq $(FAULT_RUNS)); do echo "fault suite, run $$run of $(FAULT_RUNS)"; \
+		$(VENV)/bin/pytest -q -p no:cacheprovider -m faults tests/faults $(PYTEST_ARGS) || exit 1; done
 
 test-gpu: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(PYTEST_ARGS)
