@@ -39,7 +39,7 @@ test: install
 FAULT_RUNS ?= 1
 test-faults: install
 	for run in $$(seq $(FAULT_RUNS)); do echo "fault suite, run $$run of $(FAULT_RUNS)"; \
-		$(VENV)/bin/pytest -q -p no:cacheprovider -m faults tests/faults $(PYTEST_ARGS) || exit 1; done
+		$(VENV)/bin/pytest -q -p no:cacheprovider -m faults tests $(PYTEST_ARGS) || exit 1; done
 
 test-gpu: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(PYTEST_ARGS)

@@ -110,6 +110,15 @@ class DPEngineCoreProc(EngineCoreProc):
             self._wave_step()
 
     def _wave_step(self) -> None:
+        # Timed like a plain core's step, so a rank stuck inside one (or in the wave's collective,
+        # waiting on a frozen peer) turns /health 503 and stops vouching for itself.
+        self.step_clock.begin()
+        try:
+            self._wave_step_body()
+        finally:
+            self.step_clock.end()
+
+    def _wave_step_body(self) -> None:
         started = time.perf_counter()
         dummy = not self.core.has_unfinished_requests()
         if dummy:

@@ -215,6 +215,7 @@ def test_sigterm_stops_every_child_and_exits_0(stack):
     stack.wait_for(r"pdserve up: stopped", timeout=5)
 
 
+@pytest.mark.faults  # a stack of its own killed six times: in the fault suite (`make test-faults`)
 def test_a_child_that_keeps_dying_makes_up_give_up_with_its_log_and_stop_everything(model, tmp_path):
     stack = UpProcess(["--model", model, "--prefill", "1", "--decode", "1", "--kv-connector", "kvstore",
                        "--pd-min-prompt-tokens", "0", "--dtype", "float32", "--restart-backoff", "0.2"], tmp_path / "run")
