@@ -15,9 +15,7 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import openai
 import psutil
@@ -25,103 +23,11 @@ import pytest
 
 from pdserve import up
 
-from support.server import free_port
+from support.up_stack import UpProcess, gone
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-
-
-class UpProcess:
-    """`python -m pdserve up ...` with its output collected line by line."""
-
-    def __init__(self, args: list[str], run_dir: Path) -> None:
-        self.port = free_port()
-        self.run_dir = run_dir
-        cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(self.port), "--run-dir", str(run_dir), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONSAFEPATH="1"), start_new_session=True)
-        self.lines: list[str] = []
-        self._eof = False
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
-        with self._changed:
-            self._eof = True
-            self._changed.notify_all()
-
-    @property
-    def output(self) -> str:
-        with self._changed:
-            return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """The first output line matching `pattern`; fails with the output if up exits or time runs out."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines:
-                    if match := regex.search(line):
-                        return match
-                if self._eof or time.monotonic() > deadline:
-                    break
-                self._changed.wait(0.5)
-        raise AssertionError(f"no line matching {pattern!r} (exit code {self.proc.poll()}):\n{self.output}\n"
-                             f"{self.child_logs()}")
-
-    def child_logs(self) -> str:
-        logs = sorted(self.run_dir.glob("*.log")) if self.run_dir.exists() else []
-        return "\n".join(f"--- {p.name} (end) ---\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
-
-    def descendants(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def child_named(self, name: str) -> psutil.Process:
-        """The `pdserve` child that up started as `name`, found by the port its ready line names."""
-        port = self.wait_for(rf"ready\s+{re.escape(name)}\s+\S+s\s+http://[\d.]+:(\d+)", timeout=1).group(1)
-        for child in psutil.Process(self.proc.pid).children():
-            argv = child.cmdline()
-            if "--port" in argv and argv[argv.index("--port") + 1] == port:
-                return child
-        raise AssertionError(f"no child {name} on port {port} under up ({self.proc.pid})")
-
-    def stop(self) -> None:
-        """Teardown: whatever a failed test left, nothing may outlive the module."""
-        leftovers = self.descendants()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
-def gone(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """The processes still running after `timeout` s (zombies count as gone: they have exited)."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    still = []
-    for p in alive:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                still.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return still
 
 
 def client_for(stack: UpProcess, endpoint: str) -> openai.OpenAI:
