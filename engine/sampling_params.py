@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from pdserve.engine.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -43,6 +45,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, dict=True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A grammar the output must match (JSON schema, regex, choice, ...); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
     # Free-form per-request settings for extensions, e.g. {"kv_transfer_params": {...}}.
     extra_args: dict[str, Any] | None = None
 

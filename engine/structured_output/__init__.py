@@ -1,0 +1,1 @@
+"""Structured outputs: grammars that constrain which tokens a request may sample."""
