@@ -15,6 +15,8 @@ class Logprob:
 
 # One dict per generated token: the sampled token and the top-k alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, as SampleLogprobs; the first token has no logprob (None).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -42,3 +44,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Asked for with SamplingParams.prompt_logprobs; set once every prompt position is known (from
+    # the first generated token on), and then carried by every later output of the request.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -50,6 +50,20 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     ranks: list[int]  # rank of the sampled token among all tokens (1 = most likely)
 
 
+class PromptLogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of the prompt tokens one step computed: row i is prompt position first_position + i.
+
+    Laid out as LogprobsLists (column 0: the prompt's own token, then the top-k). The first prompt
+    position has no logprob, so first_position is at least 1. A request recomputed after a
+    preemption may send positions again; the frontend keeps the first copy.
+    """
+
+    first_position: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -58,6 +72,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # Asked for with SamplingParams.prompt_logprobs: the prompt positions computed this step. A
+    # prefill chunk that samples nothing still sends an output carrying only these.
+    prompt_logprobs: PromptLogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

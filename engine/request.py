@@ -8,17 +8,19 @@ from typing import Any, Callable
 
 from pdserve.engine.protocol import EngineCoreRequest, FinishReason
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output.request_state import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_GRAMMAR = 1  # its structured-output grammar is still compiling
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything after this is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @property
     def finished(self) -> bool:
@@ -70,6 +72,12 @@ class Request:
         self.kv_load_failed = False  # a KV connector load failed once: compute the prompt here
         self.max_tokens = sampling_params.max_tokens
         self.stop_token_ids = sampling_params.all_stop_token_ids
+        # The grammar its output must follow. A P/D prefill leg (do_remote_decode) has none: its
+        # one sampled token is discarded, and the decode engine constrains from the first token.
+        self.structured_output: StructuredOutputRequest | None = None
+        so_params = sampling_params.structured_outputs
+        if so_params is not None and not (kv_transfer_params or {}).get("do_remote_decode"):
+            self.structured_output = StructuredOutputRequest(so_params)
 
         # Hashes of this request's full blocks, extended as tokens arrive (see kv_cache_utils).
         self._block_hasher = block_hasher

@@ -26,6 +26,9 @@ from pdserve.kvstore.factory import create_connector
 log = logging.getLogger("pdserve.engine.core")
 # With only KV transfers in flight, a step computes nothing: poll them at this pace, not a spin.
 KV_POLL_INTERVAL_S = 0.002
+# With only grammars compiling, a step waits at most this long for one to finish rather than
+# spin; a compile that ends wakes it at once. Short, so new requests are not kept waiting.
+GRAMMAR_POLL_INTERVAL_S = 0.002
 
 
 @dataclass
@@ -106,13 +109,19 @@ class EngineCore:
         """Run one step. Returns the outputs and whether the model ran."""
         if not self.has_work():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+        if not self.scheduler.has_ready_requests and not self._has_kv_transfers():
+            # Only grammars compiling. Running requests never get here: they never wait on a compile.
+            self.scheduler.structured_output.wait_for_compile(GRAMMAR_POLL_INTERVAL_S)
+            if not self.scheduler.has_ready_requests:
+                return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
         start = time.perf_counter()
         # The connector's word for the workers, looked at before schedule() hands it over.
         connector_pending = self.connector is not None and self.connector.has_pending_work()
         sched_output = self.scheduler.schedule()
         if sched_output.total_num_scheduled_tokens == 0:
             if not (connector_pending or self.scheduler.has_kv_transfers):
-                return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
+                return EngineCoreOutputs(outputs=self.scheduler.take_finished_outside_step(),
+                                         scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()), False
             # Nothing to compute, but the workers must report transfers (and receive the
             # metadata that registers them).
             time.sleep(KV_POLL_INTERVAL_S)
@@ -135,7 +144,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests
 
     def has_work(self) -> bool:
-        """Requests to run, or KV transfers to follow (blocks held for a remote decode)."""
+        """Requests to run (or whose grammar compiles), or KV transfers to follow (blocks held for a
+        remote decode)."""
         return self.scheduler.has_unfinished_requests or self._has_kv_transfers()
 
     def _has_kv_transfers(self) -> bool:
@@ -165,6 +175,7 @@ class EngineCore:
         return self.connector.release_held(request, prompt_digest)
 
     def shutdown(self) -> None:
+        self.scheduler.structured_output.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
         self.executor.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -39,6 +41,10 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # What the KV connector's worker side needs this step (loads to start, blocks to hold).
     kv_connector_metadata: Any = None
+    # Structured outputs: for each request that samples under a grammar this step, one int32 row
+    # of ceil(vocab / 32) words (bit t set: token t allowed), in the order of the ids below.
+    grammar_bitmask: np.ndarray | None = None
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def empty(cls, finished_req_ids: set[str] | None = None) -> "SchedulerOutput":
@@ -68,6 +74,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # Per request: (token_ids rows, logprobs rows, ranks), one row per sampled token.
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    # Per request asking for prompt logprobs: those of the prompt positions this step computed
+    # (engine.protocol.PromptLogprobsLists), present for prefill chunks that sampled nothing too.
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
     timing: StepTiming | None = None
     # KV connector results (None without a connector): requests done sending or receiving,
     # loads that failed (a subset of finished_recving), and transfer counters since last step.

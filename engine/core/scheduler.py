@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -18,9 +19,12 @@ from pdserve.engine.core.kv_cache_manager import KVCacheManager
 from pdserve.engine.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pdserve.engine.protocol import EngineCoreOutput, LogprobsLists, SchedulerStats
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.structured_output.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from pdserve.kvstore.base import KVConnectorBase
+
+log = logging.getLogger("pdserve.engine.scheduler")
 
 
 class WaitingQueue:
@@ -66,7 +70,8 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, connector: "KVConnectorBase | None" = None) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, connector: "KVConnectorBase | None" = None,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         sc = config.scheduler
         self.max_num_seqs = sc.max_num_seqs
@@ -93,6 +98,14 @@ class Scheduler:
         self.held_for_send: dict[str, Request] = {}  # finished; blocks kept for a remote decode
         self.kv_external_tokens = 0
         self.kv_stats: Any = None  # the connector's cumulative transfer counters
+        # Structured outputs: requests whose grammar compiles off the busy loop wait here (in
+        # arrival order) and join `waiting` once it is done; they never hold up the queue.
+        self.structured_output = structured_output or StructuredOutputManager(config.model)
+        self.waiting_for_grammar: dict[str, Request] = {}
+        self.model_eos_token_ids = set(config.model.eos_token_ids)  # a grammar's stop tokens
+        # Requests finished by schedule() itself (a grammar that failed to compile): their
+        # outputs go out with the step's.
+        self._finished_outside_step: list[EngineCoreOutput] = []
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -100,7 +113,13 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.structured_output is not None:
+            # Even a cached grammar goes through the wait: schedule() gives it its matcher.
+            self.structured_output.start(request.structured_output)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request.request_id] = request
+        else:
+            self.waiting.add(request)
         if self.connector is not None:  # e.g. keep the prefill's KV alive while this waits its turn
             self.connector.request_added(request)
 
@@ -114,6 +133,8 @@ class Scheduler:
         if waiting:
             self.waiting.remove(waiting)
         for request in found:
+            self.waiting_for_grammar.pop(request.request_id, None)
+            request.structured_output = None
             request.status = status
             if request.request_id in self.waiting_for_kv:
                 # A load may be writing into its blocks: they are freed once it ends.
@@ -126,6 +147,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Release a finished request; returns the connector's kv_transfer_params for its output."""
+        request.structured_output = None
         delay, params = False, None
         if self.connector is not None:
             delay, params = self.connector.request_finished(
@@ -140,11 +162,18 @@ class Scheduler:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
+                or bool(self.waiting_for_grammar))
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.waiting_for_kv)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_kv) + len(self.waiting_for_grammar)
+
+    @property
+    def has_ready_requests(self) -> bool:
+        """Something a step can act on: false while every request left waits for its grammar."""
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv) or any(
+            r.structured_output and r.structured_output.compiled for r in self.waiting_for_grammar.values())
 
     @property
     def has_kv_transfers(self) -> bool:
@@ -154,6 +183,8 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.waiting_for_grammar:
+            self._take_compiled_grammars()
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[Request] = []
@@ -193,6 +224,31 @@ class Scheduler:
 
         return self._build_output(num_scheduled, new_reqs, new_block_ids)
 
+    def _take_compiled_grammars(self) -> None:
+        """Requests whose grammar is compiled join the waiting queue; a failed compile finishes
+        its request (aborted, with the reason), never the engine."""
+        compiled = [r for r in self.waiting_for_grammar.values() if r.structured_output and r.structured_output.compiled]
+        for request in compiled:
+            del self.waiting_for_grammar[request.request_id]
+            state = request.structured_output
+            assert state is not None
+            if self.structured_output.activate(state):
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+                continue
+            log.warning("request %s: its %s grammar does not compile: %s", request.request_id, state.params.kind,
+                        state.error)
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = f"grammar_error: {state.error}"
+            kv_params = self._free_request(request)
+            self._finished_outside_step.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason, kv_transfer_params=kv_params))
+
+    def take_finished_outside_step(self) -> list[EngineCoreOutput]:
+        outputs, self._finished_outside_step = self._finished_outside_step, []
+        return outputs
+
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
         if 0 < self.long_prefill_token_threshold < num_new:
@@ -222,7 +278,9 @@ class Scheduler:
             resumed = request.num_computed_tokens > 0  # its KV arrived through the connector
             if not resumed:
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                if self.connector is not None and not request.kv_load_failed:
+                # Prompt logprobs need every prompt position computed here: no external KV either.
+                if self.connector is not None and not request.kv_load_failed \
+                        and request.sampling_params.prompt_logprobs is None:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                     if num_external > 0 and load_async:
                         if not self._start_remote_load(request, num_hit_tokens, hit_blocks, num_external):
@@ -334,6 +392,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        output.grammar_bitmask, output.structured_output_request_ids = self._grammar_bitmask(num_scheduled)
         # Advance progress now: the tokens' KV is written by the step this output describes.
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -345,21 +404,39 @@ class Scheduler:
         self.step_counter += 1
         return output
 
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[Any, list[str]]:
+        """One bitmask row per request that samples this step under a grammar (a decode, or the
+        last chunk of a prefill); (None, []) when there is none."""
+        ids, states = [], []
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            state = request.structured_output
+            samples = request.num_computed_tokens + n >= request.num_tokens
+            if samples and state is not None and state.matcher is not None:
+                ids.append(req_id)
+                states.append(state)
+        if not states:
+            return None, []
+        return self.structured_output.fill_bitmask(states), ids
+
     def update_from_output(self, sched_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self.take_finished_outside_step()
         stopped: list[Request] = []
         if self.connector is not None:
             self._update_kv_transfers(runner_output)
         for req_id in sched_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             new_tokens = runner_output.sampled_token_ids.get(req_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if request is None or not new_tokens or request.is_finished:
+                if prompt_logprobs is not None and request is not None and not request.is_finished:
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_logprobs))
                 continue  # aborted meanwhile, or a prefill chunk that produced no token
             kept: list[int] = []
             for token in new_tokens:
                 request.append_output_token_ids([token])
                 kept.append(token)
-                if self._check_stop(request):
+                if self._advance_grammar(request, token) or self._check_stop(request):
                     break
             self.num_generation_tokens += len(kept)
             # Blocks filled by the tokens just appended are complete: index them for reuse.
@@ -381,11 +458,31 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 kv_transfer_params=kv_params,
+                prompt_logprobs=prompt_logprobs,
             ))
         if stopped:
             gone = set(stopped)
             self.running = [r for r in self.running if r not in gone]
         return outputs
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed the token to the request's grammar; True when that finishes the request."""
+        state = request.structured_output
+        if state is None or state.matcher is None:
+            return False
+        if not state.accept(token):
+            # The bitmask should make this impossible: end the request, never the engine.
+            log.error("request %s: sampled token %d, which its %s grammar rejects; finishing it", request.request_id,
+                      token, state.params.kind)
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = f"grammar_error: token {token} does not match the grammar"
+            return True
+        if state.terminated:  # one of the model's EOS tokens completed the grammar
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token != request.eos_token_id and token not in self.model_eos_token_ids:
+                request.stop_reason = token
+            return True
+        return False
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
@@ -410,7 +507,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=kv.usage,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.pool.num_free_blocks,

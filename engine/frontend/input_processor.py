@@ -6,6 +6,7 @@ import time
 from typing import Any, Union
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.frontend.limits import LimitError
 from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
 from pdserve.engine.protocol import EngineCoreRequest
 from pdserve.engine.sampling_params import SamplingParams
@@ -48,13 +49,11 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > mc.max_logprobs:
-                raise ValueError(f"{name}={value} exceeds the maximum of {mc.max_logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine")
+                raise LimitError(name, f"{name}={value} exceeds the maximum of {mc.max_logprobs}")
         if params.stop_token_ids and max(params.stop_token_ids) >= mc.vocab_size:
-            raise ValueError(f"stop_token_ids must be in [0, {mc.vocab_size})")
+            raise LimitError("stop_token_ids", f"stop_token_ids must be in [0, {mc.vocab_size})")
         if params.logit_bias and any(int(t) < 0 or int(t) >= mc.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {mc.vocab_size})")
+            raise LimitError("logit_bias", f"logit_bias keys must be token ids in [0, {mc.vocab_size})")
         # The core refuses such a request too, but only after accepting it (an aborted output).
         capacity = self.kv_capacity_tokens
         needed = min(len(prompt_token_ids) + (params.max_tokens or mc.max_model_len), mc.max_model_len)

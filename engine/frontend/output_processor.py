@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.frontend.detokenizer import IncrementalDetokenizer
-from pdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
-from pdserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from pdserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pdserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, PromptLogprobsLists
 from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -63,6 +63,8 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Position 0 has no logprob; the others arrive in step-sized runs, in order.
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.stop_strings = params.stop or []
         self.hold_back = 0 if (params.include_stop_str_in_output or not self.stop_strings) else \
             max(len(s) for s in self.stop_strings) - 1
@@ -96,6 +98,8 @@ class RequestState:
             self.kv_transfer_params = out.kv_transfer_params
         if out.new_logprobs is not None and self.logprobs is not None:
             self._add_logprobs(out.new_logprobs)
+        if out.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self._add_prompt_logprobs(out.prompt_logprobs)
         delta = self.detokenizer.push(out.new_token_ids)
         self.text += delta
         stopped_by_string = False
@@ -124,13 +128,32 @@ class RequestState:
     def _add_logprobs(self, lists: LogprobsLists) -> None:
         assert self.logprobs is not None
         for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-            entry: dict[int, Logprob] = {}
-            for position, (token, lp) in enumerate(zip(ids, lps)):
-                if token in entry:
-                    continue
-                entry[token] = Logprob(lp, rank if position == 0 else position, self._token_text(token))
-            self.logprobs.append(entry)
+            self.logprobs.append(self._logprob_entry(ids, lps, rank))
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + lps[0]
+
+    def _add_prompt_logprobs(self, lists: PromptLogprobsLists) -> None:
+        assert self.prompt_logprobs is not None
+        # A request recomputed after a preemption sends positions it sent before: keep the first copy.
+        skip = len(self.prompt_logprobs) - lists.first_position
+        if skip < 0:  # never expected: a gap would misalign every later position
+            self.prompt_logprobs.extend([None] * -skip)
+            skip = 0
+        for ids, lps, rank in zip(lists.token_ids[skip:], lists.logprobs[skip:], lists.ranks[skip:]):
+            self.prompt_logprobs.append(self._logprob_entry(ids, lps, rank))
+
+    def _logprob_entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """Column 0 is the token itself (its true rank), then the top-k (ranks 1, 2, ...)."""
+        entry: dict[int, Logprob] = {}
+        for position, (token, lp) in enumerate(zip(ids, lps)):
+            if token in entry:
+                continue
+            entry[token] = Logprob(lp, rank if position == 0 else position, self._token_text(token))
+        return entry
+
+    @property
+    def complete_prompt_logprobs(self) -> PromptLogprobs | None:
+        lps = self.prompt_logprobs
+        return lps if lps is not None and len(lps) >= len(self.prompt_token_ids) else None
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -159,7 +182,8 @@ class RequestState:
             metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0,
                        "finished_time": self.last_token_time or time.time()}
         return RequestOutput(self.external_id, self.prompt, self.prompt_token_ids, outputs or [completion], finished,
-                             self.num_cached_tokens, self.kv_transfer_params, metrics)
+                             self.num_cached_tokens, self.kv_transfer_params, metrics,
+                             self.complete_prompt_logprobs)
 
 
 @dataclass
@@ -212,6 +236,8 @@ class OutputProcessor:
                 continue  # aborted by the client while this output was in flight
             if state.update(out, now, self.stats):
                 to_abort.append(out.request_id)
+            if not out.new_token_ids and not state.finished:
+                continue  # a prefill chunk's prompt logprobs: nothing to report yet
             completion = state.completion_output()
             if state.finished:
                 self._forget(state)

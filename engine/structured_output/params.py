@@ -2,8 +2,9 @@
 engine core (which compiles and advances grammars) and the router.
 
 Exactly one constraint is set. The spec travels with the request's SamplingParams, so it must be
-msgspec-encodable; `json` is kept as a canonical JSON string, never a dict, so that equal schemas
-share one compiled grammar whatever their key order.
+msgspec-encodable; `json` is kept as compact JSON text, never a dict. Key order is kept, not
+sorted: a schema's property order is the order the output's fields are generated in (as OpenAI
+does), and it matters for answers ("reasoning" before "answer"). Equal text shares one grammar.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
-    json: str | None = None  # a JSON schema, canonical JSON text (see `canonical_json`)
+    json: str | None = None  # a JSON schema as compact JSON text (see `canonical_json`)
     json_object: bool = False  # any JSON object ({"type": "json_object"})
     regex: str | None = None
     choice: list[str] | None = None  # the output is exactly one of these strings
@@ -50,7 +51,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
 
 def canonical_json(schema: Any) -> str:
-    """A schema (dict or JSON text) as canonical JSON text; ValueError if it is not JSON."""
+    """A schema (dict or JSON text) as compact JSON text, its key order kept; ValueError if it is not JSON."""
     if isinstance(schema, str):
         schema = _json.loads(schema)
-    return _json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)

@@ -22,6 +22,8 @@ from pdserve.engine.core.kv_cache_manager import cdiv
 from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, StepTiming
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output.bitmask import GrammarMask
+from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs, plan_job
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
 from pdserve.engine.distributed import tp_rank
 from pdserve.kvstore.base import KVConnectorRole
@@ -41,6 +43,9 @@ class RequestState:
     generator: torch.Generator | None = None
     # Vocabulary entries banned until min_tokens outputs exist (eos and stop tokens).
     min_tokens_banned: list[int] = field(default_factory=list)
+    # Prompt logprobs still to compute: not when the request comes back after a preemption with
+    # tokens generated (its whole prompt ran before it sampled, so they were all sent then).
+    prompt_logprobs_due: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,7 +125,9 @@ class ModelRunner:
             if params.min_tokens:
                 banned = sorted(set(params.stop_token_ids or ()) | ({*self.eos_token_ids} if not params.ignore_eos else set()))
             self.requests[new.req_id] = RequestState(new.req_id, list(new.token_ids), new.num_prompt_tokens, params,
-                                                     list(new.block_ids), new.num_computed_tokens, generator, banned)
+                                                     list(new.block_ids), new.num_computed_tokens, generator, banned,
+                                                     prompt_logprobs_due=params.prompt_logprobs is not None
+                                                     and len(new.token_ids) == new.num_prompt_tokens)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = self.requests[req_id]
@@ -157,6 +164,7 @@ class ModelRunner:
         starts = np.empty(num_reqs, dtype=np.int64)
         token_chunks: list[list[int]] = []
         sampling_rows: list[int] = []
+        prompt_lp_rows: list[int] = []  # batch rows of requests that want prompt logprobs
         table = self.block_table
         for i, req_id in enumerate(order):
             state = self.requests[req_id]
@@ -167,6 +175,8 @@ class ModelRunner:
             table[i, :len(blocks)] = blocks
             if start + n >= len(state.token_ids):
                 sampling_rows.append(i)
+            if state.prompt_logprobs_due:
+                prompt_lp_rows.append(i)
             state.num_computed_tokens = start + n
 
         num_tokens = int(query_lens.sum())
@@ -198,18 +208,42 @@ class ModelRunner:
         timing.prepare_s = prepared - step_start
         hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),  # type: ignore[misc]
                             self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
+        prompt_logprobs = self._prompt_logprobs(hidden, [order[i] for i in prompt_lp_rows], starts[prompt_lp_rows],
+                                                query_lens[prompt_lp_rows], cu[prompt_lp_rows]) if prompt_lp_rows else {}
         if not sampling_rows:
             timing.forward_s = self._synchronized_time() - prepared
-            return ModelRunnerOutput({}, timing=timing)
+            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, timing=timing)
         last_token = torch.from_numpy(cu[1:][sampling_rows] - 1).to(dev)
         logits = self.model.compute_logits(hidden[last_token])  # type: ignore[union-attr]
         forwarded = self._synchronized_time()
         timing.forward_s = forwarded - prepared
         states = [self.requests[order[i]] for i in sampling_rows]
-        output = self._record(states, sample(logits, self._sampling_metadata(states)))
+        md = self._sampling_metadata(states)
+        if so.grammar_bitmask is not None:  # structured outputs: the sampler masks the whole batch at once
+            md.grammar_mask = GrammarMask.for_rows(so.grammar_bitmask, so.structured_output_request_ids,
+                                                   [s.req_id for s in states])
+        output = self._record(states, sample(logits, md))
         timing.sample_s = time.perf_counter() - forwarded
         output.timing = timing
+        output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req_ids: list[str], starts: np.ndarray, query_lens: np.ndarray,
+                         first_rows: np.ndarray) -> dict[str, Any]:
+        """Prompt logprobs of the positions this step computed, for the requests that want them."""
+        jobs: list[PromptLogprobsJob] = []
+        for req_id, start, n, row in zip(req_ids, starts.tolist(), query_lens.tolist(), first_rows.tolist()):
+            state = self.requests[req_id]
+            job = plan_job(req_id, state.token_ids, state.num_prompt_tokens, start, n, row,
+                           state.params.prompt_logprobs or 0)
+            if job is not None:
+                jobs.append(job)
+            if start + n >= state.num_prompt_tokens - 1:
+                state.prompt_logprobs_due = False  # the rest of its positions predict generated tokens
+        if not jobs:
+            return {}
+        return compute_prompt_logprobs(hidden, jobs, self.model.compute_logits,  # type: ignore[union-attr]
+                                       self.vocab_size, driver=tp_rank() == 0)
 
     def _synchronized_time(self) -> float:
         # GPU kernels run asynchronously: wait for them, or the forward would look free.

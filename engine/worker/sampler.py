@@ -1,8 +1,9 @@
 """Turns the last-position logits of each request into its next token.
 
-Order of operations, per row: logit bias and min_tokens masking, repetition/presence/frequency
-penalties, then greedy argmax or temperature → top-k → top-p → min-p → a draw. Logprobs are
-taken from the raw logits, before any of that, so they mean what the model computed.
+Order of operations, per row: the structured-output grammar mask, logit bias and min_tokens
+masking, repetition/presence/frequency penalties, then greedy argmax or temperature → top-k →
+top-p → min-p → a draw. Logprobs are taken from the raw logits, before any of that, so they mean
+what the model computed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.engine.structured_output.bitmask import GrammarMask
 
 _NEG_INF = float("-inf")
 
@@ -33,6 +36,8 @@ class SamplingMetadata:
     # Rows still under min_tokens: the token ids that must not be sampled yet.
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
+    # Structured outputs: the tokens each grammar row may sample (None: no row has a grammar).
+    grammar_mask: GrammarMask | None = None
 
 
 @dataclass
@@ -47,6 +52,8 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+    if md.grammar_mask is not None:
+        md.grammar_mask.apply(logits)  # in place: float() may return the caller's tensor, which is done with
     logits = _apply_bias_and_bans(logits, md)
     logits = _apply_penalties(logits, md)
     token_ids = logits.argmax(dim=-1)
