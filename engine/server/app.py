@@ -22,6 +22,7 @@ from pdserve.engine.server.kv_params import validate_kv_release, validate_kv_tra
 from pdserve.engine.server.metrics import EngineMetrics
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.engine.server.serving import Serving, new_request_id
+from pdserve.engine.server.tool_parsers import DEFAULT_PARSER
 
 log = logging.getLogger("pdserve.server")
 
@@ -39,13 +40,14 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
+              tool_call_parser: str = DEFAULT_PARSER) -> FastAPI:
     settings = settings or ServerSettings()
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     metrics = EngineMetrics(engine.model_name)
     engine.stats_listeners.append(metrics.observe)
     metrics.watch_liveness(engine.liveness)
-    serving = Serving(engine)
+    serving = Serving(engine, tool_call_parser)
     app.state.engine = engine
     app.state.metrics = metrics
     started = int(time.time())

@@ -76,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host:port of the coordinator that collects this engine's load")
     p.add_argument("--coordinator-publish-address",
                    help="host:port of that coordinator's feed; the data-parallel ranks are balanced by it")
+    from pdserve.engine.server.tool_parsers import DEFAULT_PARSER, parser_names
+
+    p.add_argument("--tool-call-parser", choices=parser_names(), default=DEFAULT_PARSER,
+                   help="how the model writes tool calls, to read them out of its text into tool_calls (and to "
+                        "constrain tool_choice required / a named function to that format): hermes "
+                        "(<tool_call>{json}</tool_call>), llama3_json, mistral ([TOOL_CALLS][...]) or pythonic "
+                        "([f(a=1)]) (default: %(default)s)")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
@@ -199,7 +206,8 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
         return 2
     app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                                            internal_key=args.internal_key,
-                                           metrics_require_key=args.metrics_require_key))
+                                           metrics_require_key=args.metrics_require_key),
+                    tool_call_parser=args.tool_call_parser)
     log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
              engine.config.num_kv_blocks)
     print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)

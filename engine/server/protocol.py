@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.engine.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.engine.server.request_fields import check_messages, check_object, field_error
+from pdserve.engine.server.structured_fields import (RESPONSE_FORMAT_TYPES, JsonSchemaFormat, ResponseFormat,
+                                                     StructuredOutputsRequest, structured_outputs_of)
 
 
 class StreamOptions(BaseModel):
@@ -15,9 +18,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat; unknown fields are accepted and ignored, as OpenAI does."""
+    """Fields shared by completions and chat. A field no model declares is refused (400 naming it),
+    unless request_fields.NO_OP_FIELDS says it has no effect here: never silently ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     n: int = 1
@@ -30,7 +34,15 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, used for nothing
+    # Output constraints (structured_fields.py): OpenAI's response_format (completions too, as
+    # vLLM), vLLM's structured_outputs and its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -48,6 +60,26 @@ class _SamplingFields(BaseModel):
     # Set by the P/D router between prefill and decode engines.
     kv_transfer_params: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        data = check_object(data, cls, no_ops=True)
+        if not isinstance(data, dict):
+            return data
+        if isinstance(data.get("structured_outputs"), dict):
+            data["structured_outputs"] = check_object(data["structured_outputs"], StructuredOutputsRequest,
+                                                      "structured_outputs.")
+        rf = data.get("response_format")
+        if isinstance(rf, dict) and rf.get("type") not in RESPONSE_FORMAT_TYPES:
+            raise field_error("response_format", f"response_format of type {rf.get('type')!r} is not supported; "
+                                                 f"use one of {', '.join(RESPONSE_FORMAT_TYPES)}", rf)
+        if isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict):
+            data["response_format"] = dict(rf, json_schema=check_object(rf["json_schema"], JsonSchemaFormat,
+                                                                        "response_format.json_schema."))
+        if "messages" in cls.model_fields:
+            data["messages"] = check_messages(data.get("messages"), ChatMessage)
+        return data
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad field."""
         bias = None
@@ -56,6 +88,9 @@ class _SamplingFields(BaseModel):
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids") from None
+            if any(not -100.0 <= v <= 100.0 for v in bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        constraint = structured_outputs_of(self)  # raises structured_fields.FieldError naming the field
         extra = {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None
         return SamplingParams(
             n=self.n,
@@ -77,6 +112,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=bias,
+            structured_outputs=constraint[0] if constraint else None,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             extra_args=extra,
         )
@@ -87,6 +123,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # vLLM's: each prompt token's logprob and the top-k alternatives, as `prompt_logprobs` on the choice.
+    prompt_logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -110,6 +148,10 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    # Tool calling (checked in tools.py, which names the bad field): an assistant turn's calls
+    # (its content may then be null), and the call a role "tool" message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -130,3 +172,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling, checked in tools.py (a 400 naming tools[i]... or tool_choice).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
