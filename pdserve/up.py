@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int,
                    help="CPU: KV cache bytes per engine (several engines share this machine's memory)")
+    p.add_argument("--tool-call-parser",
+                   help="passed to every engine (and the router, which renders chat prompts as they do): how tool "
+                        "calls are written and read (see `pdserve serve --help`; default: the engine's own)")
     p.add_argument("--kvstore-capacity", default="1Gi", help="the KV store's capacity (bytes or 4Gi-style)")
     p.add_argument("--run-dir", type=Path, help="where the children's logs go (default: a new folder in /tmp)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every child's /health (at start, and for a restarted child)")
@@ -157,6 +160,10 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
                 argv += ["--max-model-len", str(args.max_model_len)]
             if args.kv_cache_memory_bytes is not None:
                 argv += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+            if args.tool_call_parser is not None:
+                # Prefill engines too: whatever the parser adds to a prompt, or refuses, must be the
+                # same on both legs of a request.
+                argv += ["--tool-call-parser", args.tool_call_parser]
             if args.prefill > 0:
                 extra: dict[str, Any] = {}
                 if p2p and role == "prefill":
@@ -189,6 +196,8 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
         router += ["--routing-policy", args.routing_policy]
     if model.tokenizer is not None:
         router += ["--tokenizer", model.tokenizer]
+    if args.tool_call_parser is not None:
+        router += ["--tool-call-parser", args.tool_call_parser]
     endpoint = f"http://{router_host}:{args.port}"
     # The router starts last: it health-checks its engines at start, and ejects any still loading.
     components.append(Component("router", tuple(router), f"{endpoint}/health", stage=1, stop_rank=STOP_ROUTER))

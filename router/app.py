@@ -21,7 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
 from pdserve.engine.server.errors import APIError, error_response, new_error_id
+from pdserve.engine.server import tools as chat_tools
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.engine.server.tool_parsers import DEFAULT_PARSER, get_parser
 from pdserve.router.balancer import Policy
 from pdserve.router.endpoints import Endpoint, Health, HealthChecker, Pool, Pools, error_text, health_client
 from pdserve.router.feed import FeedState, FeedSubscriber
@@ -57,6 +59,7 @@ class RouterSettings:
     # Prompts over this many characters get a 400 before tokenizing; None: derived from the tokenizer; 0: off.
     max_prompt_chars: int | None = None
     metrics_require_key: bool = False
+    tool_call_parser: str = DEFAULT_PARSER  # the engines': chat prompts with tools are rendered as theirs
 
 
 class Router:
@@ -72,6 +75,7 @@ class Router:
         if settings.max_prompt_chars is not None and settings.max_prompt_chars < 0:
             raise ValueError(f"--max-prompt-chars must be 0 or more, got {settings.max_prompt_chars}")
         self.tokenizer = LocalTokenizer(settings.tokenizer) if settings.tokenizer else None
+        self.tool_parser = get_parser(settings.tool_call_parser)
         # Prompts longer than this (characters) are refused before tokenizing: the flag, or what
         # the tokenizer proves no valid prompt exceeds (router/local_tokenizer.py); 0 or None: none.
         self.max_prompt_chars = settings.max_prompt_chars if settings.max_prompt_chars is not None else (
@@ -197,22 +201,32 @@ class Router:
         self.check_model(parsed.model)
         body = json.loads(await request.body())
         routed = RoutedRequest("chat", body, self.forwarded_headers(request, "chatcmpl"), stream=parsed.stream)
-        try:
-            messages = [{"role": msg.role, "content": msg.text()} for msg in parsed.messages]
-        except ValueError as exc:
-            raise APIError(400, f"invalid messages: {exc}", param="messages") from None
+        messages, tools = self.chat_prompt(parsed)
         # Only user turns count: every template renders them verbatim (some drop earlier reasoning).
         self.check_prompt_chars(sum(len(msg["content"]) for msg in messages if msg["role"] == "user"), "messages")
         if self.tokenizer is not None:
             routed.token_ids = await self._tokenize(self.tokenizer.chat, messages, parsed.add_generation_prompt,
-                                                    parsed.chat_template_kwargs)
+                                                    parsed.chat_template_kwargs, tools)
         routed.prompt_tokens = len(routed.token_ids) if routed.token_ids is not None else estimate_tokens(
-            sum(len(msg["content"]) for msg in messages))
+            rendered_chars(messages, tools))
         await self._remote_tokens(routed, {"messages": body["messages"],
                                            "add_generation_prompt": parsed.add_generation_prompt,
                                            **({"chat_template_kwargs": parsed.chat_template_kwargs}
                                               if parsed.chat_template_kwargs else {})})
         return routed
+
+    def chat_prompt(self, parsed: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The chat template's messages and `tools`, built as the engines build them (engine/server/
+        tools.py, with the same --tool-call-parser): a template that reads `tools` gets them and the
+        history's calls; one that does not gets the parser's description of the tools and the calls
+        written into the messages. APIError (400) for messages the engines refuse too."""
+        functions = None
+        if parsed.tools and parsed.tool_choice != "none":  # the engines describe no tool for "none"
+            functions = chat_tools.check_functions(parsed.tools)
+        # Without a tokenizer nothing is rendered, only counted: the tools then count as their JSON.
+        knows_tools = self.tokenizer.knows_tools if self.tokenizer is not None else True
+        messages = chat_tools.template_messages(parsed.messages, self.tool_parser, knows_tools, functions)
+        return messages, ([f.openai() for f in functions] if functions and knows_tools else None)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse at once a prompt too long for any engine: tokenizing it would only waste a thread."""
@@ -282,6 +296,12 @@ class Router:
         if self.feed is not None:
             body["coordinator"] = "alive" if self.feed.alive() else "silent"
         return body
+
+
+def rendered_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """About how many characters a template writes for these messages and tools (no tokenizer at hand)."""
+    calls = sum(len(json.dumps(msg["tool_calls"])) for msg in messages if msg.get("tool_calls"))
+    return sum(len(msg["content"]) for msg in messages) + calls + (len(json.dumps(tools)) if tools else 0)
 
 
 def build_app(router: Router) -> Any:

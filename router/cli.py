@@ -7,6 +7,7 @@ import os
 import sys
 
 from pdserve.engine.server.cli import add_internal_key_arguments, resolve_internal_key
+from pdserve.engine.server.tool_parsers import DEFAULT_PARSER, parser_names
 from pdserve.router.balancer import Policy
 
 
@@ -38,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
                    help="shorter prompts skip the prefill pool (0: disaggregate every request)")
     p.add_argument("--tokenizer", help="tokenizer directory: exact prompt lengths and prefix hashes locally")
+    p.add_argument("--tool-call-parser", choices=parser_names(), default=DEFAULT_PARSER,
+                   help="the engines' --tool-call-parser: with --tokenizer, chat prompts with tools are rendered as "
+                        "the engines render them (a template that ignores tools gets the parser's description of "
+                        "them), for exact lengths and prefix hashes")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="refuse (400) prompts longer than this many characters before tokenizing them; 0: never "
                         "(default: with --tokenizer, the most characters a prompt that fits the model can have: "
@@ -142,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_request_body_bytes, health_interval=args.health_interval, tokenizer=args.tokenizer,
         coordinator_address=args.coordinator_address, coordinator_http_port=args.coordinator_http_port,
         internal_key=internal_key, metrics_require_key=args.metrics_require_key, max_prompt_chars=args.max_prompt_chars,
+        tool_call_parser=args.tool_call_parser,
         flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, connect_timeout=args.connect_timeout,
                           prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
                           decode_first_byte_timeout=args.decode_first_byte_timeout,

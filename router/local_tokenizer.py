@@ -103,8 +103,11 @@ class LocalTokenizer:
     def __init__(self, path: str, threads: int = TOKENIZE_THREADS) -> None:
         from transformers import AutoTokenizer
 
+        from pdserve.engine.server.tools import template_knows_tools
+
         instances = [AutoTokenizer.from_pretrained(path) for _ in range(threads)]
         self.char_limit = derived_char_limit(path, instances[0])
+        self.knows_tools = template_knows_tools(instances[0])  # else the engines describe tools in the messages
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
         for tokenizer in instances:
             # Nothing is truncated here, and the engine judges the length: no "longer than the
@@ -126,14 +129,19 @@ class LocalTokenizer:
         return self._run(lambda tokenizer: list(tokenizer.encode(prompt)))
 
     def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-             template_kwargs: dict[str, Any] | None) -> list[int]:
+             template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat's prompt ids as the model's template renders them, `tools` included (for a
+        template that reads them; see Router.chat_prompt)."""
         from pdserve.engine.frontend.template_kwargs import check_chat_template_kwargs
 
-        check_chat_template_kwargs(template_kwargs or {})  # a client's own template never runs here either
+        kwargs = dict(template_kwargs or {})
+        check_chat_template_kwargs(kwargs)  # a client's own template never runs here either
+        if tools:
+            kwargs["tools"] = tools
 
         def render(tokenizer: Any) -> list[int]:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                **(template_kwargs or {}))
+                                                **kwargs)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
         return self._run(render)

@@ -14,6 +14,9 @@ PREFILL_FAILED = "prefill_failed"
 # n>1 (or best_of>1): the decode engine computes such a prompt itself and never pulls, so a prefill
 # leg would only pin blocks on the prefill engine until they expire.
 LOCAL_MULTI_CHOICE = "local_multi_choice"
+# The prompt's own logprobs were asked for (completions' echo + logprobs, or prompt_logprobs): only
+# the engine that runs the prompt through the model has them, so one engine serves it all.
+LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
 
 # Outcomes of releasing a prefill hold the decode leg will not pull
 RELEASED = "released"      # the prefill engine freed the blocks
@@ -34,6 +37,7 @@ class RouterMetrics:
         self.pd_decisions = Counter("pdserve_router_pd_decisions",
                                     "How requests were served: disaggregated, local_only (decode pool alone), "
                                     "local_multi_choice (n>1: decode pool alone, nothing to pull), "
+                                    "local_prompt_logprobs (the prompt's logprobs asked for: decode pool alone), "
                                     "or prefill_failed (fell back to the decode pool).", ["decision"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Legs retried on another engine.", ["pool"], registry=r)
         self.picks = Counter("pdserve_router_endpoint_picks", "Legs sent to each endpoint.", ["pool", "endpoint"],
@@ -58,7 +62,7 @@ class RouterMetrics:
                                         "Legs cut short, by leg and cause: timeout (a time bound) or ejected "
                                         "(their endpoint was ejected while they waited).", ["leg", "cause"],
                                         registry=r)
-        for decision in (DISAGGREGATED, LOCAL_ONLY, LOCAL_MULTI_CHOICE, PREFILL_FAILED):
+        for decision in (DISAGGREGATED, LOCAL_ONLY, LOCAL_MULTI_CHOICE, LOCAL_PROMPT_LOGPROBS, PREFILL_FAILED):
             self.pd_decisions.labels(decision)
         for outcome in (RELEASED, NOT_HELD, RELEASE_FAILED):
             self.kv_releases.labels(outcome)

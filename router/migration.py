@@ -18,6 +18,16 @@ sent twice.
 Not carried across the seam: a stop string split by it (the new engine sees only its own text),
 and sampling state (a seeded sampler restarts; presence/frequency penalties see the old tokens as
 prompt).
+
+Not resumable at all (`resume_blocker`): a stream under a constraint (response_format other than
+text, structured_outputs, guided_*) or with tools (tool_choice other than "none"). The continuation
+is a plain completion of prompt + generated ids: a grammar sent with it would start again from its
+first state in the middle of the output, and without one the output could leave the schema; a chat
+stream's tool calls are parsed from the whole output by the engine that produced it, and the new
+engine's completion chunks carry only text. Either way the client would get output that silently
+breaks its contract, so such a stream ends with the SSE error event instead, as an unresumable one
+always did. (Resuming them would need the engine to take the generated ids as the grammar's and
+the tool parser's starting state, not only as prompt.)
 """
 
 from __future__ import annotations
@@ -89,6 +99,21 @@ def single_choice_stream(body: dict[str, Any], stream: bool, single_prompt: bool
     return stream and single_prompt and count("n") == 1 and count("best_of") <= 1
 
 
+# vLLM's request-level constraints; any of them set (not null) constrains the output.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def resume_blocker(route: str, body: dict[str, Any]) -> str | None:
+    """Why a stream of this request cannot be continued elsewhere (see the module's docstring), or None."""
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in (None, "text") or any(body.get(name) is not None for name in GUIDED_FIELDS):
+        return "a stream with structured outputs cannot be continued: its grammar would restart mid-output"
+    if route == "chat" and body.get("tools") and body.get("tool_choice", "auto") != "none":
+        return "a stream with tools cannot be continued: its tool calls would be lost"
+    return None
+
+
 def requested_max_tokens(route: str, body: dict[str, Any]) -> int | None:
     value = body.get("max_completion_tokens") if route == "chat" else None
     if value is None:
@@ -131,12 +156,16 @@ class StreamState:
     created: int | None = None
     model: str | None = None
     cached_tokens: int = 0
+    # Why it can never be continued (resume_blocker), though it is still followed: a stream that
+    # breaks after its last token is still closed as it should be.
+    blocker: str | None = None
 
     @classmethod
     def for_request(cls, route: str, body: dict[str, Any]) -> "StreamState":
         options = body.get("stream_options")
         return cls(route, body, client_wants_ids=bool(body.get(RETURN_TOKEN_IDS)),
-                   include_usage=isinstance(options, dict) and bool(options.get("include_usage")))
+                   include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+                   blocker=resume_blocker(route, body))
 
     def decode_body(self, body: dict[str, Any]) -> dict[str, Any]:
         return dict(body, **{RETURN_TOKEN_IDS: True})

@@ -4,17 +4,27 @@
    with max_tokens=1, stream=false, n=1 and kv_transfer_params={"do_remote_decode": true}.
 2. The original body plus the `kv_transfer_params` of that answer go to a decode engine, whose
    answer is passed back as it arrives.
-Requests with n>1 (or best_of>1) skip step 1: the decode engine computes such prompts itself.
+Requests with n>1 (or best_of>1) skip step 1: the decode engine computes such prompts itself. So do
+completions that ask for the prompt's own logprobs (echo + logprobs, or prompt_logprobs): only an
+engine that runs the prompt through the model has them, and a decode engine that pulled the KV did not.
+
+Structured outputs and tools are disaggregated. The prefill leg keeps every field that shapes the
+prompt (messages, tools, tool_choice, chat_template_kwargs, add_generation_prompt, ...), so both
+engines render the same prompt ids, and the constraint fields too (response_format, structured_outputs,
+guided_*): the prefill engine then refuses an invalid schema with the 400 the client gets, before any
+decode leg runs, and compiles no grammar for its one discarded token (a do_remote_decode request is
+never constrained); the decode engine constrains from the first token.
 
 Faults (every wait is bounded, and cut at once when its endpoint is ejected, see legs.py): a
 prefill that fails, is refused or times out leaves the decode engine to compute the prompt
 itself; a decode engine failing before its first byte gets one retry elsewhere; a prefill hold
 that no decode leg will pull (it failed, was refused, the client left) is released at once
 (release.py). A streamed single-choice answer that breaks after its first byte (the engine died,
-went silent, was ejected) continues on another decode engine (migration.py); other streams, or
-one out of migrations, end with an SSE error event then `[DONE]`. Connection refusals eject the
-endpoint at once (the health checker re-admits it); engines the coordinator marks stale take no
-new work while a fresh one is left.
+went silent, was ejected) continues on another decode engine (migration.py); other streams, one
+out of migrations, or one under a constraint or with tools (a continuation would lose them), end
+with an SSE error event then `[DONE]`. Connection refusals eject the endpoint at once (the health
+checker re-admits it); engines the coordinator marks stale take no new work while a fresh one is
+left.
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ from pdserve.router.release import HoldReleaser
 log = logging.getLogger("pdserve.router")
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# Fields the prefill leg must not carry: it produces one token, once, and no extras.
+# Fields the prefill leg must not carry: it produces one token, once, and no extras. Nothing that
+# shapes the prompt's ids may be here (see the module's docstring).
 PREFILL_DROPPED = ("stream_options", "best_of", "logprobs", "top_logprobs", "echo", "min_tokens", "suffix")
 
 
@@ -96,6 +107,14 @@ class Hold:
 def multi_choice(body: dict[str, Any]) -> bool:
     """n>1 or best_of>1: the decode engine ignores kv_transfer_params for these."""
     return any(isinstance(body.get(name), int) and body[name] > 1 for name in ("n", "best_of"))
+
+
+def prompt_logprobs(route: str, body: dict[str, Any]) -> bool:
+    """The prompt's own logprobs are asked for: vLLM's prompt_logprobs, or a completion's echo with
+    logprobs (OpenAI's legacy API, and lm-evaluation-harness's loglikelihood requests)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return route == "completions" and bool(body.get("echo")) and body.get("logprobs") is not None
 
 
 def prefill_body(request: RoutedRequest) -> dict[str, Any]:
@@ -174,6 +193,8 @@ class PDFlow:
         elif multi_choice(request.body):
             # Never disaggregate what will not be pulled: the blocks would sit held until they expire.
             self.metrics.pd_decisions.labels(m.LOCAL_MULTI_CHOICE).inc()
+        elif prompt_logprobs(request.route, request.body):
+            self.metrics.pd_decisions.labels(m.LOCAL_PROMPT_LOGPROBS).inc()
         else:
             try:
                 outcome = await self.prefill(request)

@@ -3,8 +3,9 @@ another decode engine when the leg breaks after its first byte (see migration.py
 
 A break is a transport error, silence past --decode-idle-timeout, the endpoint's ejection, an end
 without `[DONE]`, or the engine's own 5xx error event. A single-choice stream then goes on from
-where it was (`migration_limit` times); any other stream, or one out of migrations, ends with an
-SSE error event then `[DONE]`.
+where it was (`migration_limit` times); any other stream, one out of migrations, or one whose
+constraint or tools a continuation would lose (migration.resume_blocker), ends with an SSE error
+event then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class DecodeStream:
         if state is None:
             return "only single-choice streams are continued" if self.flow.settings.migration_limit else \
                 "migration is off"
+        if state.blocker is not None:
+            return state.blocker
         if not state.resumable:
             return "the engine sent no token ids to continue from"
         if self.migrations >= self.flow.settings.migration_limit:

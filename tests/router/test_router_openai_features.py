@@ -1,0 +1,379 @@
+"""The router's P/D decisions for structured outputs, tools and prompt logprobs (issue 19).
+
+The router runs in-process (served by uvicorn on a real 127.0.0.1 socket); the engines are small
+recording HTTP servers in the same event loop, so a test sees exactly which leg got which body.
+Their "model": the token at position i is 100 + i, text " t<id>"; a decode engine can stall after
+a number of tokens to break its stream. The real engines through `pdserve up`:
+tests/up/test_up_openai_features.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pdserve.router.app import Router, RouterSettings, build_app
+from pdserve.router.pd import FlowSettings
+from support.auth import internal_key
+
+MODEL = "tiny"
+HELD = {"do_remote_prefill": True, "remote_engine_id": "fake-prefill", "remote_block_ids": [3],
+        "remote_host": "127.0.0.1", "remote_port": 1, "remote_tp_size": 1}
+QUESTION = [{"role": "user", "content": "Name a colour."}]
+SCHEMA = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+          "required": ["colour"], "additionalProperties": False}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "colour", "schema": SCHEMA, "strict": True}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+# --- fake engines ------------------------------------------------------------------------------------
+
+def prompt_length(body: dict[str, Any]) -> int:
+    if "messages" in body:
+        return sum(len((m.get("content") or "").split()) for m in body["messages"])
+    prompt = body["prompt"]
+    return len(prompt) if isinstance(prompt, list) else len(prompt.split())
+
+
+@dataclass
+class Engine:
+    role: str                        # "prefill" or "decode"
+    stall_after: int | None = None   # a stream of the client's own request goes silent after this many tokens
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/health", lambda _: Response()),
+                                 Route("/v1/kv/release", lambda _: JSONResponse({"released": True}), methods=["POST"]),
+                                 Route("/v1/completions", self.generate, methods=["POST"]),
+                                 Route("/v1/chat/completions", self.generate, methods=["POST"])])
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        if self.role == "prefill":
+            return JSONResponse({"id": "p", "object": "text_completion", "created": 1, "model": MODEL,
+                                 "choices": [{"index": 0, "text": " t0", "finish_reason": "length"}],
+                                 "kv_transfer_params": HELD})
+        if not body.get("stream"):
+            return JSONResponse({"id": "d", "object": "text_completion", "created": 1, "model": MODEL,
+                                 "choices": [{"index": 0, "text": " t100", "finish_reason": "length"}]})
+        return StreamingResponse(self.stream(request.url.path.endswith("chat/completions"), body),
+                                 media_type="text/event-stream")
+
+    async def stream(self, chat: bool, body: dict[str, Any]) -> AsyncIterator[str]:
+        context = prompt_length(body)
+        count = body.get("max_completion_tokens") or body.get("max_tokens") or 4
+        continuation = isinstance(body.get("prompt"), list)  # the router's own resend never stalls
+        base = {"id": "s", "created": 1, "model": MODEL, "object": "chat.completion.chunk" if chat else "text_completion"}
+        ids = {"prompt_token_ids": list(range(1, context + 1))} if body.get("return_token_ids") else {}
+        if chat:
+            yield f"data: {json.dumps(dict(base, choices=[{'index': 0, 'delta': {'role': 'assistant'}, **ids}]))}\n\n"
+            ids = {}
+        for n in range(count):
+            if n == self.stall_after and not continuation:
+                await asyncio.sleep(3600)
+            token = 100 + context + n
+            text = {"delta": {"content": f" t{token}"}} if chat else {"text": f" t{token}"}
+            choice = {"index": 0, **text, "finish_reason": "length" if n == count - 1 else None, **ids}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [token]
+            ids = {}
+            yield f"data: {json.dumps(dict(base, choices=[choice]))}\n\n"
+            await asyncio.sleep(0.01)
+        if self.stall_after == count and not continuation:
+            await asyncio.sleep(3600)  # all said but the end of the stream
+        yield "data: [DONE]\n\n"
+
+
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        assert not task.done(), task.exception()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+
+@dataclass
+class Stack:
+    url: str
+    router: Router
+    prefill: list[Engine]
+    decode: list[Engine]
+
+    def decisions(self, decision: str) -> float:
+        return self.router.metrics.registry.get_sample_value("pdserve_router_pd_decisions_total",
+                                                             {"decision": decision}) or 0.0
+
+    def migrations(self, outcome: str) -> float:
+        return self.router.metrics.registry.get_sample_value("pdserve_router_migrations_total",
+                                                             {"outcome": outcome}) or 0.0
+
+
+@asynccontextmanager
+async def stack(prefill: int, decode: list[Engine], tokenizer: str | None = None,
+                **flow: Any) -> AsyncIterator[tuple[Stack, httpx.AsyncClient]]:
+    engines = [Engine("prefill") for _ in range(prefill)] + decode
+    async with _serve_all(engines) as urls:
+        for engine, url in zip(engines, urls):
+            engine.url = url
+        flow.setdefault("pd_min_prompt_tokens", 0)
+        settings = RouterSettings(model=MODEL, health_interval=60.0, internal_key=internal_key().encode(),
+                                  tokenizer=tokenizer, flow=FlowSettings(**flow))
+        router = Router(settings, [e.url for e in engines[:prefill]], [e.url for e in decode])
+        async with serving(build_app(router)) as url, httpx.AsyncClient(base_url=f"{url}/v1", timeout=60) as client:
+            yield Stack(url, router, engines[:prefill], decode), client
+
+
+@asynccontextmanager
+async def _serve_all(engines: list[Engine]) -> AsyncIterator[list[str]]:
+    if not engines:
+        yield []
+        return
+    async with serving(engines[0].app()) as url, _serve_all(engines[1:]) as rest:
+        yield [url, *rest]
+
+
+async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    answer = await client.post(path, json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
+    events: list[dict[str, Any] | str] = []
+    async with client.stream("POST", path, json=dict(body, stream=True)) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def streamed_text(events: list[dict[str, Any] | str]) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events if isinstance(e, dict) for c in e.get("choices", ()))
+
+
+# --- prompt logprobs: one engine ---------------------------------------------------------------------
+
+async def test_prompt_logprobs_are_served_by_one_engine_and_the_rest_is_disaggregated():
+    async with stack(1, [Engine("decode")]) as (s, client):
+        base = {"model": MODEL, "prompt": "a b c", "max_tokens": 2}
+        local = [dict(base, echo=True, logprobs=1), dict(base, echo=True, logprobs=0, stream=True),
+                 dict(base, prompt_logprobs=2)]
+        for body in local:
+            if body.get("stream"):
+                assert streamed_text(await read_stream(client, "/completions", body)) == " t103 t104"
+            else:
+                await post(client, "/completions", body)
+        assert s.prefill[0].requests == []
+        assert [r for r in s.decode[0].requests if "kv_transfer_params" in r] == []
+        assert s.decisions("local_prompt_logprobs") == 3 and s.decisions("disaggregated") == 0
+
+        # Echo alone, logprobs alone and chat logprobs need no prompt logprobs: two legs as usual,
+        # the prefill leg without the output-only fields.
+        await post(client, "/completions", dict(base, echo=True))
+        await post(client, "/completions", dict(base, logprobs=2))
+        await post(client, "/chat/completions", {"model": MODEL, "messages": QUESTION, "logprobs": True,
+                                                 "top_logprobs": 2})
+        assert s.decisions("disaggregated") == 3 and s.decisions("local_prompt_logprobs") == 3
+        assert len(s.prefill[0].requests) == 3
+        for leg in s.prefill[0].requests:
+            assert not {"echo", "logprobs", "top_logprobs"} & set(leg) and leg["max_tokens"] == 1
+        assert [r["kv_transfer_params"] for r in s.decode[0].requests[3:]] == [HELD] * 3
+
+
+# --- structured outputs and tools: disaggregated, the prompt intact ------------------------------------
+
+TOOL_CHAT = {"model": MODEL, "max_tokens": 8, "parallel_tool_calls": False,
+             "messages": [{"role": "system", "content": "You call tools."},
+                          {"role": "user", "content": "Weather in Paris?"},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\": \"clear\"}"},
+                          {"role": "user", "content": "And in Rome?"}],
+             "tools": [WEATHER_TOOL], "tool_choice": "required",
+             "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "response_format": JSON_SCHEMA_FORMAT}),
+    ("/chat/completions", TOOL_CHAT),
+    ("/chat/completions", dict(TOOL_CHAT, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                               response_format={"type": "json_object"})),
+    ("/completions", {"model": MODEL, "prompt": "Colour:", "max_tokens": 4, "guided_choice": ["red", "blue"]}),
+    ("/completions", {"model": MODEL, "prompt": "Colour:", "max_tokens": 4, "structured_outputs": {"json": SCHEMA},
+                      "echo": True}),
+], ids=["json-schema", "tools-required", "tools-named-json-object", "guided-choice", "structured-outputs-echo"])
+async def test_structured_outputs_and_tools_are_disaggregated_with_every_prompt_field(path, body):
+    async with stack(1, [Engine("decode")]) as (s, client):
+        await post(client, path, body)
+        await read_stream(client, path, body)  # a streamed request's legs carry the same fields
+        assert s.decisions("disaggregated") == 2
+        for leg in s.prefill[0].requests:
+            # Everything that shapes the prompt, and the constraint itself (the prefill engine refuses
+            # a bad one with the client's 400; it never compiles one for its discarded token).
+            for name in ("messages", "prompt", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                         "add_generation_prompt", "response_format", "guided_choice", "structured_outputs"):
+                assert leg.get(name) == body.get(name), name
+            assert (leg["max_tokens"], leg["stream"], leg["n"], leg["kv_transfer_params"]) == (
+                1, False, 1, {"do_remote_decode": True})
+        plain, streamed = s.decode[0].requests
+        assert plain == dict(body, kv_transfer_params=HELD)
+        # The streamed decode leg asks for token ids (followed for migration), nothing else changes.
+        assert streamed == dict(body, stream=True, kv_transfer_params=HELD, return_token_ids=True)
+
+
+# --- constrained and tool streams are never continued --------------------------------------------------
+
+BLOCKED = [
+    ("/chat/completions", {"messages": QUESTION, "response_format": JSON_SCHEMA_FORMAT}, "structured outputs"),
+    ("/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}}, "structured outputs"),
+    ("/chat/completions", {"messages": QUESTION, "structured_outputs": {"choice": ["red", "blue"]}},
+     "structured outputs"),
+    ("/completions", {"prompt": "a b c", "guided_regex": "( t[0-9]+)+"}, "structured outputs"),
+    ("/chat/completions", {"messages": QUESTION, "tools": [WEATHER_TOOL]}, "tools"),  # tool_choice "auto"
+    ("/chat/completions", {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": "required"}, "tools"),
+]
+
+
+@pytest.mark.parametrize("path, fields, reason", BLOCKED,
+                         ids=["json-schema", "json-object", "structured-outputs", "guided-regex", "tools-auto",
+                              "tools-required"])
+async def test_a_constrained_or_tool_stream_ends_with_an_error_instead_of_a_continuation(path, fields, reason):
+    engines = [Engine("decode", stall_after=2), Engine("decode", stall_after=2)]
+    async with stack(0, engines, decode_idle_timeout=0.3) as (s, client):
+        events = await read_stream(client, path, {"model": MODEL, "max_tokens": 6, **fields})
+        assert events[-1] == "[DONE]" and "error" in events[-2]
+        message = events[-2]["error"]["message"]
+        assert "mid-stream" in message and reason in message and "cannot be continued" in message
+        assert len(streamed_text(events).split()) == 2  # what the engine said before it stalled, nothing more
+        assert sum(len(e.requests) for e in engines) == 1  # no continuation was sent anywhere
+        assert s.migrations("failed") == 1 and s.migrations("resumed") == 0
+
+        # Still followed: one that broke after its last token is closed normally, no error.
+        for engine in engines:
+            engine.stall_after = 6
+        events = await read_stream(client, path, {"model": MODEL, "max_tokens": 6, **fields})
+        assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+        assert len(streamed_text(events).split()) == 6 and s.migrations("failed") == 1
+
+
+@pytest.mark.parametrize("fields", [
+    {"messages": QUESTION, "tools": [WEATHER_TOOL], "tool_choice": "none", "response_format": {"type": "text"}},
+    {"prompt": "a b c", "guided_json": None, "response_format": None},
+], ids=["tools-none-text", "null-constraints"])
+async def test_a_stream_free_of_constraint_and_tool_calls_is_still_continued(fields):
+    engines = [Engine("decode", stall_after=2), Engine("decode", stall_after=2)]
+    async with stack(0, engines, decode_idle_timeout=0.3) as (s, client):
+        path = "/chat/completions" if "messages" in fields else "/completions"
+        events = await read_stream(client, path, {"model": MODEL, "max_tokens": 6, **fields})
+        context = prompt_length(fields)
+        assert streamed_text(events) == "".join(f" t{100 + context + i}" for i in range(6))
+        assert events[-1] == "[DONE]" and s.migrations("resumed") == 1
+
+
+# --- the router's own tokenizer renders tools as the engines do ---------------------------------------
+
+# A template that writes the tools and the history's tool calls into the prompt, as tool-aware ones do.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def reference_ids(path: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The template rendered by transformers itself."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                                  tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """tokenizer_dir(template) -> a tokenizer folder (the demo's) with that chat template; None: the
+    demo's own plain chatml, which never mentions tools."""
+    from pdserve.engine.demo import write_tokenizer
+
+    def make(template: str | None) -> str:
+        path = tmp_path_factory.mktemp("tokenizer")
+        write_tokenizer(path, 2048)
+        if template is not None:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+            (path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+        return str(path)
+
+    return make
+
+
+def test_the_local_tokenizer_renders_tools_as_the_template_does(tokenizer_dir):
+    from pdserve.router.local_tokenizer import LocalTokenizer
+
+    path = tokenizer_dir(TOOLS_TEMPLATE)
+    local = LocalTokenizer(path, threads=1)
+    try:
+        assert local.knows_tools
+        history = TOOL_CHAT["messages"][:4]
+        expected = reference_ids(path, history, [WEATHER_TOOL])
+        assert local.chat(history, True, None, [WEATHER_TOOL]) == expected
+        assert len(local.chat(history, True, None, None)) < len(expected)
+        # The engines' rule: `tools` replaces a chat_template_kwargs entry of that name.
+        assert local.chat(QUESTION, True, {"tools": None}, [WEATHER_TOOL]) == reference_ids(path, QUESTION,
+                                                                                            [WEATHER_TOOL])
+    finally:
+        local.close()
+
+
+@pytest.mark.parametrize("template", [TOOLS_TEMPLATE, None], ids=["template-reads-tools", "plain-template"])
+async def test_tools_and_tool_calls_count_toward_the_prompt_length_that_decides_p_d(tokenizer_dir, template):
+    """With either kind of template the tools and the history's calls reach the prompt (a plain one
+    gets the parser's description of the tools), so they count for --pd-min-prompt-tokens."""
+    path = tokenizer_dir(template)
+    short = len(reference_ids(path, QUESTION))
+    async with stack(1, [Engine("decode")], tokenizer=path, pd_min_prompt_tokens=short + 10) as (s, client):
+        await post(client, "/chat/completions", {"model": MODEL, "messages": QUESTION})
+        assert s.decisions("local_only") == 1 and s.prefill[0].requests == []
+        await post(client, "/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": [WEATHER_TOOL]})
+        assert s.decisions("disaggregated") == 1
+        # tool_choice "none": the engines describe no tool, and nor does the router.
+        await post(client, "/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": [WEATHER_TOOL],
+                                                 "tool_choice": "none"})
+        assert s.decisions("local_only") == 2
+        # A history whose tool call carries the bulk of the prompt is long too.
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": json.dumps({"city": "Paris " * 20})}}
+        await post(client, "/chat/completions", {"model": MODEL, "messages": [
+            QUESTION[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
+        assert s.decisions("disaggregated") == 2 and len(s.prefill[0].requests) == 2
