@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +30,7 @@ from pdserve.router.endpoints import Health, Pools
 from pdserve.router.feed import FeedState
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pd import FlowSettings, PDFlow
+from support.asgi_serving import read_stream, serve_all, serving
 from support.auth import internal_key
 
 MODEL = "tiny"
@@ -165,24 +164,6 @@ class FakeEngine:
             self.active -= 1
 
 
-@asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    """`app` on a free 127.0.0.1 port in this event loop; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), task.exception()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
-
-
 @dataclass
 class Stack:
     url: str
@@ -203,7 +184,7 @@ class Stack:
 async def stack(prefill: list[Fault] = (), decode: list[Fault] = (), **flow: Any) -> AsyncIterator[Stack]:
     """Fake engines with these faults behind an in-process router (P/D for every prompt)."""
     engines = [FakeEngine("prefill", f) for f in prefill] + [FakeEngine("decode", f) for f in decode]
-    async with _serve_all(engines) as urls:
+    async with serve_all(engines) as urls:
         for engine, url in zip(engines, urls):
             engine.url = url
         settings = RouterSettings(model=MODEL, health_interval=flow.pop("health_interval", 60.0),
@@ -214,26 +195,6 @@ async def stack(prefill: list[Fault] = (), decode: list[Fault] = (), **flow: Any
         async with serving(build_app(router)) as url:
             yield Stack(url, router, [e for e in engines if e.role == "prefill"],
                         [e for e in engines if e.role == "decode"])
-
-
-@asynccontextmanager
-async def _serve_all(engines: list[FakeEngine]) -> AsyncIterator[list[str]]:
-    if not engines:
-        yield []
-        return
-    async with serving(engines[0].app()) as url, _serve_all(engines[1:]) as rest:
-        yield [url, *rest]
-
-
-async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
-    """The events of a streamed answer: JSON objects, and "[DONE]"."""
-    events: list[dict[str, Any] | str] = []
-    async with client.stream("POST", path, json=dict(body, stream=True)) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-    return events
 
 
 def streamed_text(events: list[dict[str, Any] | str]) -> str:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +24,7 @@ from starlette.routing import Route
 
 from pdserve.router.app import Router, RouterSettings, build_app
 from pdserve.router.pd import FlowSettings
+from support.asgi_serving import read_stream, serve_all, serving
 from support.auth import internal_key
 
 MODEL = "tiny"
@@ -101,23 +99,6 @@ class Engine:
         yield "data: [DONE]\n\n"
 
 
-@asynccontextmanager
-async def serving(app: Any) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not task.done(), task.exception()
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
-
-
 @dataclass
 class Stack:
     url: str
@@ -138,7 +119,7 @@ class Stack:
 async def stack(prefill: int, decode: list[Engine], tokenizer: str | None = None,
                 **flow: Any) -> AsyncIterator[tuple[Stack, httpx.AsyncClient]]:
     engines = [Engine("prefill") for _ in range(prefill)] + decode
-    async with _serve_all(engines) as urls:
+    async with serve_all(engines) as urls:
         for engine, url in zip(engines, urls):
             engine.url = url
         flow.setdefault("pd_min_prompt_tokens", 0)
@@ -149,29 +130,10 @@ async def stack(prefill: int, decode: list[Engine], tokenizer: str | None = None
             yield Stack(url, router, engines[:prefill], decode), client
 
 
-@asynccontextmanager
-async def _serve_all(engines: list[Engine]) -> AsyncIterator[list[str]]:
-    if not engines:
-        yield []
-        return
-    async with serving(engines[0].app()) as url, _serve_all(engines[1:]) as rest:
-        yield [url, *rest]
-
-
 async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
     answer = await client.post(path, json=body)
     assert answer.status_code == 200, answer.text
     return answer.json()
-
-
-async def read_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[dict[str, Any] | str]:
-    events: list[dict[str, Any] | str] = []
-    async with client.stream("POST", path, json=dict(body, stream=True)) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-    return events
 
 
 def streamed_text(events: list[dict[str, Any] | str]) -> str:
