@@ -29,7 +29,7 @@ SMOLLM2_PROMPTS = [
     "List three uses for a paperclip.",
     "Translate 'good morning' into Spanish and German.",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16  # enough to reach "Paris" and to diverge on any mismatch; each token costs in transformers
 
 
 # --- SmolLM2, the built-in real model --------------------------------------------------------------
@@ -46,12 +46,35 @@ def hf_from_gguf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_convert.smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        _memoize_gguf_parsing(patch)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     model.generation_config.eos_token_id = None  # exactly NEW_TOKENS, like ignore_eos below
     model.generation_config.pad_token_id = 0
     return model, tokenizer
+
+
+def _memoize_gguf_parsing(patch: pytest.MonkeyPatch) -> None:
+    """Only for the loading above, and only for speed (it was ~35 s of make test's budget): transformers
+    parses the same file three times (tokenizer, config, weights), each a ~10 s walk over 49k
+    vocabulary strings in gguf's pure-Python reader, and rebuilds gguf's tensor-name table (the same
+    for every tensor) once per tensor. Both are pure functions of their arguments, so one parse and
+    one table are shared; what transformers then reads and dequantizes is unchanged."""
+    import functools
+
+    readers: dict[tuple[str, str], object] = {}
+    real_reader = gguf.GGUFReader
+
+    def shared_reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    patch.setattr(gguf, "GGUFReader", shared_reader)
+    patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
 
 
 def test_smollm2_resolves_to_a_cached_hf_directory(smollm2_dir):

@@ -201,6 +201,8 @@ def test_blocks_nobody_pulls_are_freed_after_the_abort_timeout(tcp_pool, model, 
     assert after["vllm:kv_cache_usage_perc"] == free_before  # the blocks are free again
 
 
+# In the fault suite (make test-faults), to keep make test within its time budget.
+@pytest.mark.faults
 def test_decode_recomputes_when_the_prefill_engine_dies_before_the_pull(tcp_pool, model, vocab, tmp_path):
     decode = tcp_pool[1]
     with servers(model, tmp_path, ["--kv-transfer-config", p2p_config("kv_producer", transport="tcp")]) as (doomed,):
@@ -333,6 +335,8 @@ def _connectable(port: int) -> bool:
         return False
 
 
+# In the fault suite (make test-faults), to keep make test within its time budget.
+@pytest.mark.faults
 def test_kvstore_connector_and_its_faults(model, vocab, tmp_path):
     store_port = free_port()
     url = f"tcp://127.0.0.1:{store_port}"

@@ -629,6 +629,8 @@ KILL_STREAM_TOKENS = 2000
 LONG_ENGINE_ARGS = ("--max-model-len", "4096", "--num-kv-blocks", "600")
 
 
+# In the fault suite (make test-faults), to keep make test within its time budget.
+@pytest.mark.faults
 def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(model_dir, tmp):
     # Without migration (--migration-limit 0) a broken stream ends in an SSE error event; streams that
     # move to another engine are tests/faults/test_migration.py's.
@@ -688,6 +690,8 @@ def test_killed_decode_engine_errors_its_streams_then_traffic_moves_and_returns(
             assert successes(restarted) >= 2
 
 
+# In the fault suite (make test-faults), to keep make test within its time budget.
+@pytest.mark.faults
 def test_killed_prefill_engine_mid_run_leaves_requests_succeeding(model, tmp, pool):
     decode = pool[0]
     expected = complete(decode, LONG_PROMPT, 2)

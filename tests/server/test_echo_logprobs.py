@@ -9,7 +9,6 @@ import torch
 
 from pdserve.engine.demo import resolve_model
 
-from support.server import run_server
 
 TOL = 1e-3
 CONTEXT = "Question: What is the capital of France?\nAnswer:"
@@ -22,11 +21,10 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_path, tmp_path_factory):
-    # float32, as transformers runs it below; a small step budget, so prompts run in chunks.
-    with run_server("smollm2", "--dtype", "float32", "--max-num-batched-tokens", "16",
-                    tmp_path=tmp_path_factory.mktemp("echo")) as s:
-        yield s
+def server(smollm2_f32_server):
+    # Shared (tests/server/conftest.py): float32, as transformers runs it below, and a 16-token step
+    # budget, so prompts run in chunks.
+    return smollm2_f32_server
 
 
 @pytest.fixture(scope="module")

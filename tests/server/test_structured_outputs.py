@@ -15,18 +15,12 @@ import pytest
 from jsonschema import Draft202012Validator
 from pydantic import BaseModel, Field
 
-from pdserve.engine.demo import resolve_model
 from pdserve.engine.server.structured_fields import unenforced_keyword
-
-from support.server import run_server
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    resolve_model("smollm2")  # convert once, outside the server's start-up wait
-    with run_server("smollm2", "--dtype", "float32", "--max-model-len", "1024",
-                    tmp_path=tmp_path_factory.mktemp("smollm2-so")) as s:
-        yield s
+def server(smollm2_f32_server):
+    return smollm2_f32_server  # shared with the other float32 smollm2 modules (tests/server/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,6 @@ import jsonschema
 import openai
 import pytest
 
-from pdserve.engine.demo import resolve_model
-
-from support.server import run_server
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -39,10 +36,8 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    resolve_model("smollm2")  # convert here, once, rather than inside the server's start-up wait
-    with run_server("smollm2", "--max-model-len", "2048", tmp_path=tmp_path_factory.mktemp("tools")) as s:
-        yield s
+def server(smollm2_f32_server):
+    return smollm2_f32_server  # shared with the other float32 smollm2 modules (tests/server/conftest.py)
 
 
 @pytest.fixture

@@ -23,3 +23,7 @@ MODEL_SPECS: dict[str, dict] = {
 # The llama checkpoint with room for requests long enough to still run, on any machine, when a
 # test acts on them (kills a rank, disconnects): 900 tokens take under a second on a fast core.
 MODEL_SPECS["llama_long"] = dict(MODEL_SPECS["llama"], max_position_embeddings=16384)
+
+# The llama checkpoint's attention shapes (GQA group 2, head_dim 32) in two layers, for the Triton
+# interpreter, where each layer's attention costs seconds: two layers still share one step's plan.
+MODEL_SPECS["llama_2layers"] = dict(MODEL_SPECS["llama"], num_hidden_layers=2)
