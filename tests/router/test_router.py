@@ -484,6 +484,8 @@ def test_idle_engines_share_bursts_evenly(pool, tmp):
         assert max(counts) <= 1.2 * min(counts), counts
 
 
+# In the fault suite (make test-faults), to keep make test within its time budget.
+@pytest.mark.faults
 def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
     """One engine runs long requests that reached it without this router (another router replica);
     the coordinator's counts show it, so new requests go to the other two."""

@@ -54,6 +54,8 @@ SCHEMAS = {
 QUESTIONS = {"person": "Describe a famous computer scientist.", "colour": "What colour is the sky?",
              "primes": "List a few prime numbers.", "capital": "What is the capital of France?",
              "steps": "Plan two steps to make tea."}
+# Four ways of asking for each schema: 20 requests, as the issue asks of the P/D path too.
+ASKED_AS = ("{}", "Answer in JSON. {}", "{} Be brief.", "Please reply with the requested record. {}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -151,19 +153,22 @@ class Where:
 def test_json_schema_chats_parse_and_validate_and_are_disaggregated(stack, client):
     where = Where(stack)
 
-    def ask(name: str) -> Any:
+    asks = [(name, form.format(QUESTIONS[name])) for name in SCHEMAS for form in ASKED_AS]
+
+    def ask(name_question: tuple[str, str]) -> Any:
+        name, question = name_question
         return client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": QUESTIONS[name]}], max_tokens=120, temperature=0,
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name],
                                                                     "strict": True}})
 
-    with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # together: the decode engine batches them
-        answers = dict(zip(SCHEMAS, pool.map(ask, SCHEMAS)))
-    for name, answer in answers.items():
+    with ThreadPoolExecutor(len(asks)) as pool:  # together: the decode engine batches them
+        answers = list(pool.map(ask, asks))
+    for (name, question), answer in zip(asks, answers):
         choice = answer.choices[0]
-        assert choice.finish_reason == "stop", (name, choice)
+        assert choice.finish_reason == "stop", (name, question, choice)
         jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
-    where.expect(disaggregated=len(SCHEMAS), prefill_legs=len(SCHEMAS))
+    where.expect(disaggregated=len(asks), prefill_legs=len(asks))
 
 
 def test_guided_choice_only_returns_one_of_the_choices(stack, client):
