@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pdserve.engine.server.cli", "run an OpenAI-compatible engine server"),
     "router": ("pdserve.router.cli", "run the OpenAI-compatible P/D router"),
     "coordinator": ("pdserve.router.coordinator_cli", "run the load/stats coordinator"),
+    "epp": ("pdserve.router.epp.cli", "run the Gateway API Inference Extension endpoint picker (Envoy ext_proc)"),
     "kvstore": ("pdserve.kvstore.cli", "run the KV store service"),
     "operator": ("pdserve.operator.cli", "run or render the Kubernetes operator"),
     "up": ("pdserve.up", "start a whole local stack on one machine"),

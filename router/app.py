@@ -220,13 +220,7 @@ class Router:
         tools.py, with the same --tool-call-parser): a template that reads `tools` gets them and the
         history's calls; one that does not gets the parser's description of the tools and the calls
         written into the messages. APIError (400) for messages the engines refuse too."""
-        functions = None
-        if parsed.tools and parsed.tool_choice != "none":  # the engines describe no tool for "none"
-            functions = chat_tools.check_functions(parsed.tools)
-        # Without a tokenizer nothing is rendered, only counted: the tools then count as their JSON.
-        knows_tools = self.tokenizer.knows_tools if self.tokenizer is not None else True
-        messages = chat_tools.template_messages(parsed.messages, self.tool_parser, knows_tools, functions)
-        return messages, ([f.openai() for f in functions] if functions and knows_tools else None)
+        return chat_prompt(parsed, self.tool_parser, self.tokenizer)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """Refuse at once a prompt too long for any engine: tokenizing it would only waste a thread."""
@@ -239,16 +233,7 @@ class Router:
     async def _tokenize(self, compute: Callable[..., list[int]], *args: Any) -> list[int] | None:
         """The prompt's token ids from a tokenizer thread, or None (routing then goes without them)."""
         assert self.tokenizer is not None
-        work = asyncio.get_running_loop().run_in_executor(self.tokenizer.executor, compute, *args)
-        try:
-            # A timeout cancels the job if it has not started; a started one ends in its thread.
-            return await asyncio.wait_for(work, TOKENIZE_WAIT_S)
-        except asyncio.TimeoutError:
-            log.debug("local tokenization took over %.1fs: routing without the token ids", TOKENIZE_WAIT_S)
-            return None
-        except Exception as exc:  # the engine reports a bad prompt itself; routing just loses the hint
-            log.debug("local tokenization failed: %s", error_text(exc))
-            return None
+        return await tokenize_within(self.tokenizer, compute, *args)
 
     async def _remote_tokens(self, routed: RoutedRequest, prompt: dict[str, Any] | None) -> None:
         """Prefix-aware without a local tokenizer: ask an engine for the prompt's token ids."""
@@ -296,6 +281,33 @@ class Router:
         if self.feed is not None:
             body["coordinator"] = "alive" if self.feed.alive() else "silent"
         return body
+
+
+def chat_prompt(parsed: ChatCompletionRequest, tool_parser: Any, tokenizer: LocalTokenizer | None
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """Router.chat_prompt for any holder of a tool parser and an optional local tokenizer."""
+    functions = None
+    if parsed.tools and parsed.tool_choice != "none":  # the engines describe no tool for "none"
+        functions = chat_tools.check_functions(parsed.tools)
+    # Without a tokenizer nothing is rendered, only counted: the tools then count as their JSON.
+    knows_tools = tokenizer.knows_tools if tokenizer is not None else True
+    messages = chat_tools.template_messages(parsed.messages, tool_parser, knows_tools, functions)
+    return messages, ([f.openai() for f in functions] if functions and knows_tools else None)
+
+
+async def tokenize_within(tokenizer: LocalTokenizer, compute: Callable[..., list[int]], *args: Any) -> list[int] | None:
+    """The prompt's token ids from a tokenizer thread within TOKENIZE_WAIT_S, or None (routing then
+    goes without them)."""
+    work = asyncio.get_running_loop().run_in_executor(tokenizer.executor, compute, *args)
+    try:
+        # A timeout cancels the job if it has not started; a started one ends in its thread.
+        return await asyncio.wait_for(work, TOKENIZE_WAIT_S)
+    except asyncio.TimeoutError:
+        log.debug("local tokenization took over %.1fs: routing without the token ids", TOKENIZE_WAIT_S)
+        return None
+    except Exception as exc:  # the engine reports a bad prompt itself; routing just loses the hint
+        log.debug("local tokenization failed: %s", error_text(exc))
+        return None
 
 
 def rendered_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

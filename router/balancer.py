@@ -92,12 +92,25 @@ class Balancer:
         if self.policy is Policy.ROUND_ROBIN:
             chosen = start
         else:
-            scores = self.scores(candidates)
-            if self.policy is Policy.PREFIX_AWARE:
-                scores = apply_prefix_bonus(scores, [c.cached_blocks for c in candidates])
+            scores = self.policy_scores(candidates)
             chosen = min(((start + i) % n for i in range(n)), key=lambda i: scores[i])
         self._bump(candidates[chosen])
         return chosen
+
+    def policy_scores(self, candidates: Sequence[Candidate]) -> list[float]:
+        """What `pick` compares: the scores, with the prefix bonus under prefix-aware."""
+        scores = self.scores(candidates)
+        if self.policy is Policy.PREFIX_AWARE:
+            scores = apply_prefix_bonus(scores, [c.cached_blocks for c in candidates])
+        return scores
+
+    def ranked(self, candidates: Sequence[Candidate]) -> list[int]:
+        """Indices from the best candidate to the worst as `pick` would judge them now, with no
+        bump and no turn of the rotation (an ordered fallback list; round-robin keeps the order)."""
+        if self.policy is Policy.ROUND_ROBIN:
+            return list(range(len(candidates)))
+        scores = self.policy_scores(candidates)
+        return sorted(range(len(candidates)), key=lambda i: scores[i])
 
     def _bump(self, candidate: Candidate) -> None:
         if candidate.load is None:

@@ -40,12 +40,13 @@ from fastapi.responses import Response
 
 from pdserve.engine.server.errors import APIError
 from pdserve.router import metrics as m
-from pdserve.router.balancer import Candidate, Policy
+from pdserve.router.balancer import Candidate
 from pdserve.router.endpoints import Endpoint, Health, Pool, Pools, error_text
 from pdserve.router.feed import FeedState
 from pdserve.router.legs import LegFailed, Legs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import StreamState, single_choice_stream
+from pdserve.router.picking import FeedPicker
 from pdserve.router.prefix import prompt_block_hashes
 from pdserve.router.relay import DecodeStream, RelayResponse, Upstream, close_leg
 from pdserve.router.release import HoldReleaser
@@ -134,6 +135,7 @@ class PDFlow:
         self.metrics = metrics
         self.settings = settings
         self.feed = feed
+        self.picker = FeedPicker(feed)
         self.legs = Legs(metrics, settings.max_connections_per_endpoint,
                          known=lambda e: e.url in self.pool(e.pool).endpoints)
         self.releaser = HoldReleaser(client, metrics, settings.release_timeout, settings.connect_timeout)
@@ -144,29 +146,17 @@ class PDFlow:
 
     # -- picking ---------------------------------------------------------------------------------
 
+    # The rules live in picking.py, shared with the endpoint picker (`pdserve epp`).
+
     def describe(self, endpoint: Endpoint, request: RoutedRequest | None, pool: Pool) -> Candidate:
-        # A data-parallel rank is an engine of its own: its own report, engine id and cached blocks.
-        report = self.feed.report(*pool.feed_key(endpoint)) if self.feed is not None else None
-        cached = 0
-        if (report is not None and request is not None and report.block_size
-                and pool.balancer.policy is Policy.PREFIX_AWARE):
-            cached = self.feed.blocks.matches(report.engine_id, request.block_hashes(report.block_size))  # type: ignore[union-attr]
-        return Candidate(pool.balance_key(endpoint), endpoint.in_flight, report.load if report is not None else None,
-                         cached)
+        return self.picker.describe(endpoint, request, pool)
 
     def pick(self, pool: Pool, request: RoutedRequest | None, exclude: tuple[str, ...] = ()) -> Endpoint | None:
         # Pods whose ranks the feed lists are offered rank by rank (`exclude` lists pod URLs).
-        candidates = pool.candidates(exclude, self.feed.ranks if self.feed is not None else None)
-        if not candidates:
-            return None
-        # The coordinator marks an engine stale when its reports stop (a frozen core): no new work
-        # goes there while a fresh engine is left; with none left, a stale one beats a failure.
-        fresh = [e for e in candidates if not self.stale(e, pool)]
-        return pool.pick(fresh or candidates, lambda e: self.describe(e, request, pool))
+        return self.picker.pick(pool, request, exclude)
 
     def stale(self, endpoint: Endpoint, pool: Pool) -> bool:
-        report = self.feed.report(*pool.feed_key(endpoint)) if self.feed is not None else None
-        return report is not None and report.load.stale
+        return self.picker.stale(endpoint, pool)
 
     def refused(self, endpoint: Endpoint, exc: Exception) -> None:
         if isinstance(exc, httpx.ConnectError):

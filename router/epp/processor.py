@@ -1,0 +1,233 @@
+"""The ext_proc service: one gRPC stream is one HTTP request passing through the gateway.
+
+Expected flow (the filter configured with request_header_mode SEND, request_body_mode BUFFERED,
+response modes SKIP/NONE):
+  request_headers  -> CONTINUE (client copies of the headers the picker owns removed), or, for a
+                      request without a body (GET /v1/models), the placement at once;
+  request_body     -> the placement: `x-gateway-destination-endpoint` and the `envoy.lb` metadata,
+                      the body replaced where it must change (P/D, or client kv_transfer_params);
+                      or an immediate OpenAI error (400, 404, 413, 429, 503, or the prefill
+                      engine's own 4xx).
+BUFFERED sends the whole body in one message; a second body message is a protocol error, as is
+a body before headers. Response and trailer phases, if a gateway sends them, get CONTINUE.
+
+A stream never takes the server down: a protocol error ends it with INVALID_ARGUMENT, anything
+unexpected with INTERNAL (logged with an id); both are counted. The picker keeps no per-request
+counts that a vanished stream could leak: its load signal is the feed (state.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
+from pdserve.engine.server.dp_rank import DP_RANK_HEADER
+from pdserve.engine.server.errors import APIError, new_error_id
+from pdserve.router.epp import messages
+from pdserve.router.epp.metrics import EppMetrics
+from pdserve.router.epp.prefill import PrefillLeg, Refusal, decode_body
+from pdserve.router.epp.request import PromptReader, check_model, read_json, route_of
+from pdserve.router.epp.settings import DESTINATION_HEADER, OBJECTIVE_HEADER, EppSettings
+from pdserve.router.epp.state import PoolState
+from pdserve.router.legs import LegFailed
+from pdserve.router.pd import Hold, RoutedRequest, multi_choice, prompt_logprobs
+
+log = logging.getLogger("pdserve.epp")
+
+# Client copies of these never reach an engine: the destination is the picker's to choose, and
+# the engines trust the other two only from the deployment itself.
+OWNED_HEADERS = (DESTINATION_HEADER, INTERNAL_HEADER.lower(), DP_RANK_HEADER.lower())
+RESPONSE_PHASES = ("response_headers", "response_body", "request_trailers", "response_trailers")
+
+
+class ProtocolError(Exception):
+    """A message the ext_proc exchange does not allow here."""
+
+
+@dataclass
+class Exchange:
+    """What one stream has seen of its HTTP request."""
+
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] | None = None
+    subset: list[str] | None = None
+    placed: bool = False
+    hold: Hold | None = None                   # prefill KV waiting for the answer to be sent
+    routed: RoutedRequest | None = None
+
+    @property
+    def path(self) -> str:
+        return (self.headers or {}).get(":path", "")
+
+
+class Processor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, settings: EppSettings, state: PoolState, metrics: EppMetrics, reader: PromptReader,
+                 prefill: PrefillLeg | None) -> None:
+        self.settings = settings
+        self.state = state
+        self.metrics = metrics
+        self.reader = reader
+        self.prefill_leg = prefill
+
+    async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = Exchange()
+        try:
+            async for message in requests:
+                answer = await self.answer(exchange, message)
+                exchange.hold = None  # sent: the decode leg owns the prefill's blocks now
+                yield answer
+        except ProtocolError as exc:
+            self.metrics.stream_errors.labels("protocol").inc()
+            log.warning("ext_proc protocol error: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # (cancellation is no Exception: a vanished client just ends the stream)
+            error_id = new_error_id()
+            log.exception("ext_proc stream failed (error id %s)", error_id)
+            self.metrics.stream_errors.labels("internal").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"endpoint picker error (error id {error_id})")
+        finally:
+            if exchange.hold is not None and exchange.routed is not None and self.prefill_leg is not None:
+                self.prefill_leg.release(exchange.hold, exchange.routed, "the ext_proc stream ended first")
+
+    # -- one message -----------------------------------------------------------------------------
+
+    async def answer(self, exchange: Exchange, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        phase = message.WhichOneof("request")
+        if message.HasField("metadata_context"):
+            subset = messages.subset_hint(message.metadata_context)
+            if subset is not None:
+                exchange.subset = subset
+        if phase is None:
+            raise ProtocolError("a ProcessingRequest with no request phase set")
+        if phase == "request_headers":
+            if exchange.headers is not None:
+                raise ProtocolError("request headers sent twice on one stream")
+            exchange.headers = messages.header_map(message.request_headers.headers)
+            if message.request_headers.end_of_stream:
+                return self.place_bodiless(exchange)
+            return messages.continue_headers(remove=OWNED_HEADERS)
+        if phase == "request_body":
+            if exchange.headers is None:
+                raise ProtocolError("a request body before the request headers")
+            if exchange.placed:
+                raise ProtocolError("a second request body message: configure request_body_mode BUFFERED")
+            return await self.place(exchange, message.request_body.body)
+        if phase in RESPONSE_PHASES:
+            return messages.passthrough(phase)
+        raise ProtocolError(f"unexpected phase {phase}")
+
+    def refuse(self, exchange: Exchange, model: str, exc: APIError) -> pb.ProcessingResponse:
+        exchange.placed = True
+        code = exc.code or str(exc.status)
+        self.metrics.request_errors.labels(model, model, code).inc()
+        self.metrics.duration.labels(model, model).observe(time.perf_counter() - exchange.started)
+        return messages.immediate(exc.status, exc.message, exc.code, exc.param)
+
+    def placed(self, exchange: Exchange, model: str, answer: pb.ProcessingResponse,
+               destination: str) -> pb.ProcessingResponse:
+        exchange.placed = True
+        self.metrics.requests.labels(model, model).inc()
+        self.metrics.picks.labels(destination.split(",", 1)[0]).inc()
+        self.metrics.duration.labels(model, model).observe(time.perf_counter() - exchange.started)
+        return answer
+
+    def no_endpoint(self, subset: list[str] | None) -> APIError:
+        where = "in the gateway's endpoint subset" if subset is not None else "in the pool"
+        return APIError(503, f"No ready endpoint {where} for model `{self.settings.model}`.", code="no_endpoints")
+
+    def place_bodiless(self, exchange: Exchange) -> pb.ProcessingResponse:
+        model = self.settings.model
+        candidates = self.state.candidates(self.state.pools.decode, exchange.subset)
+        if not candidates:
+            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+        choice = self.state.any_of(candidates)
+        answer = messages.routed("request_headers", choice.header, {}, OWNED_HEADERS)
+        return self.placed(exchange, model, answer, choice.header)
+
+    async def place(self, exchange: Exchange, raw: bytes) -> pb.ProcessingResponse:
+        settings, state, pool = self.settings, self.state, self.state.pools.decode
+        model = settings.model
+        self.metrics.sizes.labels(model, model).observe(len(raw))
+        headers = exchange.headers or {}
+        try:
+            body = read_json(raw, settings.max_body_bytes)
+            check_model(body, settings.model)
+        except APIError as exc:
+            return self.refuse(exchange, model, exc)
+        if not state.candidates(pool, exchange.subset):
+            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+        priority = settings.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
+        if priority < 0 and state.saturated(state.candidates(pool, exchange.subset), pool):
+            return self.refuse(exchange, model, APIError(
+                429, "The pool is saturated and this request's objective is sheddable; retry later.",
+                code="rate_limit_exceeded"))
+        route = route_of(exchange.path)
+        routed = await self.reader.routed(route, body) if route is not None else None
+        hold: Hold | None = None
+        if routed is not None and self.wants_prefill(routed):
+            # Only the picker sets these (a copy: `body` is still the client's, for the decode body).
+            routed.body = {k: v for k, v in routed.body.items() if k != "kv_transfer_params"}
+            routed.headers = self.prefill_leg.headers(  # type: ignore[union-attr]
+                headers.get("x-request-id") or f"epp-{uuid.uuid4().hex}", headers.get("authorization"))
+            exchange.routed = routed
+            outcome = await self.prefill(routed)
+            if isinstance(outcome, Refusal):
+                exchange.placed = True
+                self.metrics.request_errors.labels(model, model, str(outcome.status)).inc()
+                return messages.immediate_raw(outcome.status, outcome.body, outcome.content_type, "prefill_refused")
+            hold = exchange.hold = outcome
+        # Re-read after the prefill leg: an endpoint may have been ejected meanwhile.
+        candidates = state.candidates(pool, exchange.subset)
+        if not candidates:
+            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+        # With a hold the KV comes from the prefill engine: no prefix bonus, as the router does.
+        choice = state.choose(pool, candidates, None if hold is not None else routed)
+        extra: dict[str, str] = {}
+        new_body: bytes | None = None
+        if hold is not None or "kv_transfer_params" in body:
+            new_body = json.dumps(decode_body(body, hold)).encode()
+            if "content-length" in headers:
+                # BUFFERED + SEND: Envoy keeps the client's content-length, so it must be the new one.
+                extra["content-length"] = str(len(new_body))
+            if hold is not None and settings.internal_key is not None:
+                extra[INTERNAL_HEADER.lower()] = settings.internal_key.decode()
+        answer = messages.routed("request_body", choice.header, extra, OWNED_HEADERS, new_body)
+        return self.placed(exchange, model, answer, choice.header)
+
+    # -- P/D -------------------------------------------------------------------------------------
+
+    def wants_prefill(self, request: RoutedRequest) -> bool:
+        """The router's rule (router/pd.py): a single prompt long enough, with a prefill pool, and
+        nothing only the engine that computes the prompt could answer (n>1, prompt logprobs)."""
+        if self.prefill_leg is None or len(self.state.pools.prefill) == 0 or not request.single_prompt:
+            return False
+        if multi_choice(request.body) or prompt_logprobs(request.route, request.body):
+            return False
+        tokens, least = request.prompt_tokens, self.settings.pd_min_prompt_tokens
+        return least <= 0 or (tokens is not None and tokens >= least)
+
+    async def prefill(self, request: RoutedRequest) -> Hold | Refusal | None:
+        """The hold, the engine's refusal, or None when the decode engine computes the prompt."""
+        assert self.prefill_leg is not None
+        endpoint = self.state.picker.pick(self.state.pools.prefill, request)
+        try:
+            if endpoint is None:
+                raise LegFailed("no healthy engine in the prefill pool")
+            self.metrics.prefill_legs.labels(endpoint.url).inc()
+            return await self.prefill_leg.run(endpoint, request)
+        except LegFailed as exc:
+            log.warning("prefill failed, the decode engine computes the prompt: %s", exc)
+            self.metrics.prefill_fallbacks.inc()
+            return None
