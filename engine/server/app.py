@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.engine.core.liveness import pod_unresponsive_reason
 from pdserve.engine.frontend.async_llm import AsyncLLM
 from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
@@ -19,8 +20,9 @@ from pdserve.engine.server.errors import APIError, error_body, error_response, n
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
 from pdserve.engine.server.kv_params import validate_kv_release, validate_kv_transfer_params
-from pdserve.engine.server.metrics import EngineMetrics
+from pdserve.engine.server.metrics import EngineMetrics, cache_infos
 from pdserve.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from pdserve.engine.server.rank_ports import RankPorts
 from pdserve.engine.server.serving import Serving, new_request_id
 from pdserve.engine.server.tool_parsers import DEFAULT_PARSER
 
@@ -41,10 +43,12 @@ class TokenizeRequest(BaseModel):
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
-              tool_call_parser: str = DEFAULT_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_PARSER, rank_ports: RankPorts | None = None) -> FastAPI:
+    """The app behind every port of the server; with `rank_ports`, a request that arrives on a
+    rank's port runs on that rank (engine/server/rank_ports.py)."""
     settings = settings or ServerSettings()
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    metrics = EngineMetrics(engine.model_name)
+    metrics = EngineMetrics(engine.model_name, cache_infos(engine))
     engine.stats_listeners.append(metrics.observe)
     metrics.watch_liveness(engine.liveness)
     serving = Serving(engine, tool_call_parser)
@@ -96,8 +100,16 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
                            param="kv_transfer_params", code="forbidden")
         body.kv_transfer_params = validate_kv_transfer_params(body.kv_transfer_params, max_blocks)
 
+    def port_rank(request: Request) -> int | None:
+        return rank_ports.rank_of(request.scope) if rank_ports is not None else None
+
     def pinned_rank(request: Request) -> int | None:
-        """The data-parallel rank the router picked (X-PDServe-DP-Rank, honoured only with the internal key)."""
+        """The rank whose port the request came in on; else the data-parallel rank the router picked
+        (X-PDServe-DP-Rank, honoured only with the internal key). On a rank port the header is
+        ignored: see rank_ports.py for why the port wins."""
+        rank = port_rank(request)
+        if rank is not None:
+            return rank
         return requested_dp_rank(request.headers, settings.internal_key, engine.config.parallel.data_parallel_size)
 
     @app.post("/v1/completions")
@@ -161,19 +173,24 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
                                             "owned_by": "pdserve", "root": mc.path, "max_model_len": mc.max_model_len}]}
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if engine.errored:
             return JSONResponse(error_body(503, "The engine is not running.", code="engine_dead"), status_code=503)
         # Alive but not making progress: routers should skip this engine; its requests are kept.
-        reason = engine.unresponsive_reason()
+        # A rank's port speaks for that rank only: the others' ports keep serving.
+        rank = port_rank(request)
+        if rank is None:
+            reason = engine.unresponsive_reason()
+        else:
+            reason = pod_unresponsive_reason([r for r in engine.liveness() if r.rank == rank])
         if reason is not None:
             return JSONResponse(error_body(503, f"The engine is not responding: {reason}.",
                                            code="engine_unresponsive"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(port_rank(request)), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

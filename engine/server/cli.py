@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine cores behind this server, each with its own scheduler, KV cache and TP workers")
     p.add_argument("--data-parallel-lockstep", action="store_true",
                    help="data-parallel ranks step in waves: while any has work all step (for expert parallelism)")
+    p.add_argument("--rank-port-base", type=int, metavar="PORT",
+                   help="with --data-parallel-size N > 1, also listen on PORT+r for each rank r (0..N-1): a request "
+                        "arriving there runs on rank r, so a gateway that picks host:port (an InferencePool with one "
+                        "targetPort per rank) places it; /health and /metrics there speak for that rank alone")
     p.add_argument("--dp-coordinator-http-port", type=int, default=0,
                    help="HTTP port of the in-pod coordinator (/stats) started when data-parallel size > 1 and "
                         "no --coordinator-address is given (default: a free port)")
@@ -165,6 +169,19 @@ def run(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) ->
     if problem:
         print(problem, file=sys.stderr)
         return 2
+    if args.rank_port_base is not None:
+        from pdserve.engine.server.rank_ports import RankPortError, check_rank_ports, probe
+
+        problem = check_rank_ports(args.rank_port_base, args.data_parallel_size, args.port,
+                                   {"--dp-coordinator-http-port": args.dp_coordinator_http_port})
+        if problem:
+            print(f"pdserve serve: {problem}", file=sys.stderr)
+            return 2
+        try:  # now, not after the model has loaded
+            probe(args.host, _ports(args))
+        except RankPortError as exc:
+            print(f"pdserve serve: {exc}", file=sys.stderr)
+            return 1
     if args.kv_transfer_config and args.internal_key is None:
         if not args.insecure_kv_transfer:
             print("pdserve serve: a KV connector needs the deployment's internal key, or anyone who reaches this "
@@ -204,22 +221,45 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
     except (ValueError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                                           internal_key=args.internal_key,
-                                           metrics_require_key=args.metrics_require_key),
-                    tool_call_parser=args.tool_call_parser)
-    log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
-             engine.config.num_kv_blocks)
-    print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name})", flush=True)
-    if on_ready is not None:
-        on_ready()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+    from pdserve.engine.server.rank_ports import RankPortError, RankPorts, bind_all
+
+    rank_ports = (RankPorts(args.rank_port_base, args.data_parallel_size)
+                  if args.rank_port_base is not None else None)
+    sockets = None
     try:
-        GracefulServer(config).run()
+        app = build_app(engine, ServerSettings(api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                                               internal_key=args.internal_key,
+                                               metrics_require_key=args.metrics_require_key),
+                        tool_call_parser=args.tool_call_parser, rank_ports=rank_ports)
+        if rank_ports is not None:
+            # One server, one app, several listening sockets: the app tells the ports apart.
+            try:
+                sockets = bind_all(args.host, _ports(args))
+            except RankPortError as exc:
+                print(f"pdserve serve: {exc}", file=sys.stderr)
+                return 1
+            log.info("data-parallel rank ports %s", rank_ports.describe())
+        log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
+                 engine.config.num_kv_blocks)
+        extra = f"; rank ports {rank_ports.describe()}" if rank_ports is not None else ""
+        print(f"pdserve serve: ready on http://{args.host}:{args.port}/v1 (model {engine.model_name}{extra})",
+              flush=True)
+        if on_ready is not None:
+            on_ready()
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+        GracefulServer(config).run(sockets=sockets)
     finally:
+        for sock in sockets or ():
+            sock.close()
         engine.shutdown()
     return 0
+
+
+def _ports(args: argparse.Namespace) -> dict[int, str]:
+    from pdserve.engine.server.rank_ports import RankPorts, server_ports
+
+    return server_ports(args.port, RankPorts(args.rank_port_base, args.data_parallel_size))
 
 
 class GracefulServer(uvicorn.Server):

@@ -6,9 +6,12 @@ latest scheduler stats; counters advance by the difference of the core's cumulat
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from pdserve.engine.core.liveness import RankLiveness
 from pdserve.engine.frontend.output_processor import IterationStats
@@ -21,8 +24,62 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 
 
+@dataclass(frozen=True)
+class CacheInfo:
+    """One rank's KV-cache settings, for `vllm:cache_config_info` (labels as vLLM names them, values
+    as vLLM writes them: Python's str of each; gateways' pickers read block_size and num_gpu_blocks)."""
+
+    block_size: int
+    num_gpu_blocks: int  # the blocks this rank measured (or was given): its KV capacity
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    # pdserve keeps the KV cache in the model's dtype, which is what vLLM's "auto" means.
+    cache_dtype: str = "auto"
+
+    def labels(self, rank: int) -> dict[str, str]:
+        return {"block_size": str(self.block_size), "num_gpu_blocks": str(self.num_gpu_blocks),
+                "num_gpu_blocks_override": str(self.num_gpu_blocks_override), "cache_dtype": self.cache_dtype,
+                "enable_prefix_caching": str(self.enable_prefix_caching),
+                "gpu_memory_utilization": str(self.gpu_memory_utilization),
+                "kv_cache_memory_bytes": str(self.kv_cache_memory_bytes), "engine": str(rank)}
+
+
+def cache_infos(engine: Any) -> list[CacheInfo]:
+    """Each data-parallel rank's CacheInfo, read from a started AsyncLLM (every core has reported
+    its block count by then). getattr: the HTTP tests' stand-in engine carries only part of a config."""
+    config = engine.config
+    cache = config.cache
+    size = getattr(getattr(config, "parallel", None), "data_parallel_size", 1)
+    client = getattr(engine, "client", None)
+    ranks = getattr(client, "clients", None) if size > 1 else None
+    blocks = ([c.config.num_kv_blocks for c in ranks] if ranks
+              else [getattr(config, "num_kv_blocks", 0)] * size)
+    return [CacheInfo(block_size=cache.block_size, num_gpu_blocks=n,
+                      num_gpu_blocks_override=getattr(cache, "num_kv_blocks", None),
+                      enable_prefix_caching=getattr(cache, "enable_prefix_caching", True),
+                      gpu_memory_utilization=getattr(cache, "gpu_memory_utilization", 0.9),
+                      kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None)) for n in blocks]
+
+
+class _RankView:
+    """The registry as one data-parallel rank's port shows it: series of other ranks (another
+    `engine` label) left out; series without the label (the pod's own) kept."""
+
+    def __init__(self, registry: CollectorRegistry, rank: int) -> None:
+        self.registry = registry
+        self.rank = str(rank)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            view = Metric(family.name, family.documentation, family.type, family.unit)
+            view.samples = [s for s in family.samples if s.labels.get("engine", self.rank) == self.rank]
+            yield view
+
+
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache: list[CacheInfo] | None = None) -> None:
         self.registry = CollectorRegistry()
         # `engine` is the data-parallel rank (engine core index) the numbers come from, as in vLLM.
         labels = ["model_name", "engine"]
@@ -83,6 +140,25 @@ class EngineMetrics:
         self.step_age = Gauge("pdserve:engine_step_running_seconds",
                               "How long the engine core's current step has been running; 0 between steps.", labels,
                               registry=r)
+        # What gateways' endpoint pickers read (the GIE model-server protocol), as vLLM has them.
+        # An info metric as a gauge fixed at 1, one series per rank, as vLLM's (no model_name label).
+        cache = cache or []
+        if cache:
+            self.cache_info = Gauge("vllm:cache_config_info", "Information of the engine's KV-cache config.",
+                                    list(cache[0].labels(0)), registry=r)
+            for rank, info in enumerate(cache):
+                self.cache_info.labels(**info.labels(rank)).set(1)
+        # pdserve serves no LoRA adapters: both lists stay empty and max_lora is 0. The value is
+        # when the series was last updated, as in vLLM, where pickers take the newest series.
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self._lora = self.lora_info.labels(max_lora="0", waiting_lora_adapters="", running_lora_adapters="")
+        self._lora.set(time.time())
+        # Present from start-up, before the first step reports: a picker that finds no queue
+        # gauge marks the engine as failing to scrape, and an idle engine's queue is empty.
+        for rank in range(max(1, len(cache))):
+            for gauge in (self.running, self.waiting, self.kv_usage):
+                gauge.labels(model_name, str(rank)).set(0)
         self._liveness_probe: Callable[[], list[RankLiveness]] | None = None
         self.model = model_name
         self._last: dict[int, SchedulerStats] = {}
@@ -102,6 +178,7 @@ class EngineMetrics:
     def observe(self, stats: SchedulerStats | None, iteration: IterationStats, engine_index: int = 0) -> None:
         m = (self.model, str(engine_index))
         if stats is not None:
+            self._lora.set(time.time())
             self.running.labels(*m).set(stats.num_running_reqs)
             self.waiting.labels(*m).set(stats.num_waiting_reqs)
             self.kv_usage.labels(*m).set(stats.kv_cache_usage)
@@ -141,6 +218,7 @@ class EngineMetrics:
         for reason in iteration.finished_reasons:
             self.success.labels(*m, reason).inc()
 
-    def render(self) -> bytes:
+    def render(self, rank: int | None = None) -> bytes:
+        """The exposition text: every rank's series, or with `rank` only that rank's (its own port)."""
         self._update_liveness()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry if rank is None else _RankView(self.registry, rank))
