@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from pdserve.operator.names import (COORDINATOR_HTTP_PORT, COORDINATOR_PUBLISH_PORT, COORDINATOR_STATS_PORT,
-                                    ENGINE_PORT, KV_TRANSFER_PORT, KVSTORE_PORT, Names)
+                                    ENGINE_PORT, KV_TRANSFER_PORT, KVSTORE_PORT, RANK_PORT_BASE, Names)
 from pdserve.operator.spec import KV_SHARED_MOUNT, InferenceService
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -61,7 +61,39 @@ def engine_command(isvc: InferenceService, role: str) -> list[str]:
         # Several DP ranks in one pod balance on the coordinator's feed of their loads.
         *(["--coordinator-publish-address", Names(isvc.name).coordinator_address(COORDINATOR_PUBLISH_PORT)]
           if pool.data_parallel_size > 1 else []),
+        # The inference gateway addresses each DP rank of a decode pod on its own port (InferencePool targetPorts).
+        *(["--rank-port-base", str(RANK_PORT_BASE)] if uses_rank_ports(isvc, role) else []),
         *engine.extra_args,
+    ]
+
+
+def uses_rank_ports(isvc: InferenceService, role: str) -> bool:
+    return role == "decode" and isvc.spec.router.gateway is not None and isvc.spec.decode.data_parallel_size > 1
+
+
+def epp_command(isvc: InferenceService, internal_key_file: str) -> list[str]:
+    """`pdserve epp`: the endpoint picker a GIE gateway asks, over ext_proc, where each request goes."""
+    names = Names(isvc.name)
+    gateway = isvc.spec.router.gateway
+    assert gateway is not None, "only rendered with spec.router.gateway enabled"
+    return [
+        "pdserve", "epp",
+        "--host", "0.0.0.0",
+        "--grpc-port", str(gateway.endpoint_picker.port),
+        "--metrics-port", str(gateway.endpoint_picker.metrics_port),
+        "--model", isvc.spec.model.name,
+        # Decode pods serve the users' requests: they are the pool. The EPP runs the prefill leg itself.
+        "--namespace", isvc.namespace,
+        "--pool-service", names.service("decode"),
+        "--pool-port", str(ENGINE_PORT),
+        "--prefill-service", names.service("prefill"),
+        "--prefill-port", str(ENGINE_PORT),
+        *(["--rank-port-base", str(RANK_PORT_BASE)] if uses_rank_ports(isvc, "decode") else []),
+        "--coordinator", f"tcp://{names.coordinator_address(COORDINATOR_PUBLISH_PORT)}",
+        "--policy", isvc.spec.router.routing_policy,
+        # Its inference_pool_* metrics then carry the InferencePool's name, as GIE dashboards expect.
+        "--pool-name", names.inference_pool(gateway.pool_name),
+        "--internal-key-file", internal_key_file,
     ]
 
 

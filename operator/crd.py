@@ -33,6 +33,13 @@ CONNECTORS = ("p2p", "kvstore", "shared-storage")
 ROUTING_POLICIES = ("least-loaded", "round-robin")
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+FAILURE_MODES = ("FailClose", "FailOpen")
+# The InferencePool API's limit on targetPorts, which get one port per decode data-parallel rank.
+MAX_GATEWAY_DATA_PARALLEL = 8
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# HTTPRoute path values (Gateway API): absolute, URL path characters or %-escapes only.
+PATH_PREFIX_PATTERN = r"^/(?:[-A-Za-z0-9/._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})*$"
 # Services carry the resource's name plus a suffix ("-coordinator" is the longest, 12 characters)
 # and must stay DNS-1035 labels of at most 63 characters.
 MAX_NAME_LENGTH = 51
@@ -84,6 +91,14 @@ RULES: tuple[Rule, ...] = (
     Rule("shared-storage-one-volume", "spec.kvTransfer.sharedStorage",
          "has(self.claimName) != has(self.hostPath)",
          "kvTransfer.sharedStorage: set exactly one of claimName and hostPath"),
+    Rule("gateway-data-parallel", "spec",
+         "!has(self.router) || !has(self.router.gateway) || !self.router.gateway.enabled"
+         f" || !has(self.decode) || self.decode.dataParallelSize <= {MAX_GATEWAY_DATA_PARALLEL}",
+         f"router.gateway needs decode.dataParallelSize <= {MAX_GATEWAY_DATA_PARALLEL}: the InferencePool lists one "
+         f"target port per data-parallel rank and allows at most {MAX_GATEWAY_DATA_PARALLEL}"),
+    Rule("gateway-ports", "spec.router.gateway",
+         "!self.enabled || self.endpointPicker.port != self.endpointPicker.metricsPort",
+         "router.gateway.endpointPicker: port (gRPC) and metricsPort must differ"),
 )
 
 
@@ -205,6 +220,64 @@ def _label_selector(description: str) -> dict[str, Any]:
             "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}}
 
 
+def _gateway() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Serve the decode pool behind a Gateway API Inference Extension gateway: an InferencePool "
+                       "(inference.networking.k8s.io/v1) selecting the decode pods, an endpoint picker (`pdserve "
+                       "epp`) the gateway asks over ext_proc, and optionally an HTTPRoute. The GIE CRDs come "
+                       "with the cluster's gateway provider. Present means enabled unless enabled is false.",
+        "properties": {
+            "enabled": {"type": "boolean", "default": True},
+            "inferencePool": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 63, "pattern": DNS_LABEL_PATTERN,
+                             "description": "Name of the InferencePool (default: <name>-pool)."},
+                },
+            },
+            "endpointPicker": {
+                "type": "object",
+                "default": {},
+                "properties": {
+                    "replicas": _int(minimum=0, default=1),
+                    "port": _int(minimum=1, maximum=65535, default=9002,
+                                 description="gRPC port: ext_proc and grpc.health.v1."),
+                    "metricsPort": _int(minimum=1, maximum=65535, default=9090,
+                                        description="HTTP port: /health and Prometheus /metrics."),
+                    "failureMode": {"type": "string", "enum": list(FAILURE_MODES), "default": "FailClose",
+                                    "description": "What the gateway does when the picker does not answer: "
+                                                   "FailClose refuses the request, FailOpen picks an endpoint "
+                                                   "itself."},
+                    "resources": _resources("Requests and limits of each endpoint picker container."),
+                },
+            },
+            "httpRoute": {
+                "type": "object",
+                "description": "Render an HTTPRoute from this Gateway to the InferencePool. Absent: none (bring "
+                               "your own route).",
+                "required": ["gatewayName"],
+                "properties": {
+                    "gatewayName": {"type": "string", "minLength": 1, "maxLength": 253,
+                                    "pattern": DNS_SUBDOMAIN_PATTERN},
+                    "gatewayNamespace": {"type": "string", "maxLength": 63, "pattern": DNS_LABEL_PATTERN,
+                                         "description": "Default: this resource's namespace. Another namespace "
+                                                        "must allow routes from this one (listener allowedRoutes)."},
+                    "sectionName": {"type": "string", "minLength": 1, "maxLength": 253,
+                                    "pattern": DNS_SUBDOMAIN_PATTERN,
+                                    "description": "The Gateway listener to attach to (default: all)."},
+                    "pathPrefix": {"type": "string", "maxLength": 1024, "default": "/",
+                                   "pattern": PATH_PREFIX_PATTERN},
+                },
+            },
+            "proxyNamespaceSelector": _label_selector(
+                "With network policies on: only pods in namespaces matching this (the gateway's proxies) may "
+                "reach the decode engines' target ports and the endpoint picker's gRPC port. Absent: any source "
+                "(needed for proxies outside the cluster, e.g. managed load balancers)."),
+        },
+    }
+
+
 def _volume_source(mount: str) -> dict[str, Any]:
     return {
         "type": "object",
@@ -269,6 +342,7 @@ def _spec_schema() -> dict[str, Any]:
                         },
                     },
                     "resources": _resources("Requests and limits for each router container."),
+                    "gateway": _gateway(),
                 },
             },
             "kvTransfer": {
@@ -333,7 +407,7 @@ def _pool_status() -> dict[str, Any]:
 
 
 def _status_schema() -> dict[str, Any]:
-    pools = {role: _pool_status() for role in ("prefill", "decode", "router", "coordinator", "kvstore")}
+    pools = {role: _pool_status() for role in ("prefill", "decode", "router", "coordinator", "kvstore", "epp")}
     return {
         "type": "object",
         "properties": {

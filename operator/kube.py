@@ -32,6 +32,9 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (crd.API_VERSION, crd.KIND): crd.PLURAL,
+    # Gateway API Inference Extension objects (spec.router.gateway); their CRDs come with the gateway.
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
 }
 
 MERGE_PATCH = "application/merge-patch+json"

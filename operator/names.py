@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode", "router", "coordinator", "kvstore")
+# "epp" (the Gateway API Inference Extension's endpoint picker) runs only when spec.router.gateway asks.
+ROLES = ("prefill", "decode", "router", "coordinator", "kvstore", "epp")
 ENGINE_ROLES = ("prefill", "decode")
 
 APP_NAME = "pdserve"
@@ -24,6 +25,12 @@ COORDINATOR_STATS_PORT = 5557
 COORDINATOR_PUBLISH_PORT = 5558
 COORDINATOR_HTTP_PORT = 8080
 KVSTORE_PORT = 5700
+# With the inference gateway on, a decode pod running several data-parallel ranks also serves
+# rank r alone on RANK_PORT_BASE + r (`pdserve serve --rank-port-base`): the InferencePool lists
+# one target port per rank, so the endpoint picker can choose a rank, not only a pod.
+RANK_PORT_BASE = 8100
+# The InferencePool API allows at most this many target ports, hence at most this many ranks.
+MAX_TARGET_PORTS = 8
 
 # The operator's own pods (charts/pdserve): the coordinator lets them read its load for autoscaling.
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pdserve-operator"}
@@ -43,6 +50,17 @@ class Names:
     @property
     def router_account(self) -> str:
         return f"{self.instance}-router"
+
+    @property
+    def epp_account(self) -> str:
+        return f"{self.instance}-epp"
+
+    def inference_pool(self, override: str | None = None) -> str:
+        return override or f"{self.instance}-pool"
+
+    @property
+    def http_route(self) -> str:
+        return f"{self.instance}-route"
 
     @property
     def engine_config(self) -> str:

@@ -18,8 +18,9 @@ from pdserve.operator.apply import Client, Outcome, apply, create_once, plan
 from pdserve.operator.kube import ApiError
 from pdserve.operator.names import ROLES, Names
 from pdserve.operator.render import internal_key_secret, optional_objects, render_service
+from pdserve.operator.render_gateway import GATEWAY_KINDS, INFERENCE_POOL_API
 from pdserve.operator.spec import InferenceService, InvalidSpec, parse
-from pdserve.operator.status import compute_status, invalid_status, status_patch
+from pdserve.operator.status import GatewayOutcome, compute_status, invalid_status, status_patch
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,16 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: 
             _write_status(client, obj, patch)
         return Result([], patch, invalid=str(error))
 
-    outcomes = [_apply_rendered(client, isvc, manifest) for manifest in render_service(isvc)]
+    outcomes, missing = [], []
+    for manifest in render_service(isvc):
+        try:
+            outcomes.append(_apply_rendered(client, isvc, manifest))
+        except ApiError as error:
+            # 404 on a GIE kind: its CRD is not installed. Everything else is applied and serves
+            # through the router meanwhile; the Gateway condition says what is missing.
+            if error.status != 404 or manifest["kind"] not in GATEWAY_KINDS:
+                raise
+            missing.append(f"{manifest['kind']} ({manifest['apiVersion']})")
     deleted = []
     for api_version, kind, stale_name in optional_objects(isvc):
         stale = client.get(api_version, kind, namespace, stale_name)
@@ -138,14 +148,26 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime, uid: 
     names = Names(name)
     deployments = {role: next((o.live for o in outcomes if o.kind == "Deployment" and o.name == names.deployment(role)),
                               None) for role in ROLES}
-    patch = _refresh(client, obj, isvc, deployments, now)
+    patch = _refresh(client, obj, isvc, deployments, now, _gateway_outcome(isvc, outcomes, missing))
     return Result(outcomes, patch, deleted=tuple(deleted))
 
 
+def _gateway_outcome(isvc: InferenceService, outcomes: list[Outcome], missing: list[str]) -> GatewayOutcome | None:
+    if isvc.spec.router.gateway is None:
+        return None
+    if missing:
+        return GatewayOutcome(False, "CRDNotInstalled",
+                              f"the cluster does not serve {', '.join(missing)}: install the Gateway API Inference "
+                              "Extension CRDs (the gateway provider ships them); the router keeps serving meanwhile")
+    applied = [f"{o.kind} {o.name}" for o in outcomes if o.kind in GATEWAY_KINDS]
+    return GatewayOutcome(True, "Applied", f"applied {', '.join(applied)} ({INFERENCE_POOL_API})")
+
+
 def _refresh(client: Client, obj: Mapping[str, Any], isvc: InferenceService,
-             deployments: Mapping[str, Mapping[str, Any] | None], now: dt.datetime) -> dict[str, Any]:
+             deployments: Mapping[str, Mapping[str, Any] | None], now: dt.datetime,
+             gateway: GatewayOutcome | None = None) -> dict[str, Any]:
     previous = obj.get("status") or {}
-    patch = status_patch(previous, compute_status(isvc, deployments, previous, now))
+    patch = status_patch(previous, compute_status(isvc, deployments, previous, now, gateway))
     if patch:
         _write_status(client, obj, patch)
     return patch

@@ -11,7 +11,7 @@ import json
 from typing import Any, Mapping
 
 from pdserve.engine.internal_auth import ENV_KEY_FILE
-from pdserve.operator import commands, crd
+from pdserve.operator import commands, crd, render_gateway
 from pdserve.operator.names import (COORDINATOR_HTTP_PORT, COORDINATOR_PUBLISH_PORT, COORDINATOR_STATS_PORT,
                                     ENGINE_PORT, ENGINE_ROLES, KV_TRANSFER_PORT, KVSTORE_PORT, OPERATOR_POD_LABELS,
                                     ROLES, Names)
@@ -74,6 +74,8 @@ def render_service(isvc: InferenceService) -> list[Manifest]:
         _engine(isvc, names, isvc.spec.decode),
         _router(isvc, names),
         *(network_policies(isvc, names) if isvc.spec.network_policy.enabled else []),
+        # Last: a cluster without the GIE CRDs refuses these, and everything above must be in place regardless.
+        *(render_gateway.gateway_manifests(isvc, names) if isvc.spec.router.gateway is not None else []),
     ]
     return manifests
 
@@ -94,7 +96,7 @@ def optional_objects(isvc: InferenceService) -> list[tuple[str, str, str]]:
         rendered = set()
     stale += [(NETWORK_POLICY_API, "NetworkPolicy", names.network_policy(role)) for role in ROLES
               if names.network_policy(role) not in rendered]
-    return stale
+    return stale + render_gateway.stale_objects(isvc, names)
 
 
 # --- metadata ----------------------------------------------------------------------------------------
@@ -179,6 +181,8 @@ def network_policies(isvc: InferenceService, names: Names) -> list[Manifest]:
     policies = []
     for pool in (spec.prefill, spec.decode):
         ingress = [{"from": [_pods(names.selector("router")), *engines], "ports": [_tcp(ENGINE_PORT)]}]
+        if spec.router.gateway is not None:
+            ingress += render_gateway.engine_ingress(isvc, names, pool.role)
         side_port = commands.kv_transfer_config(isvc, pool.role)["kv_connector_extra_config"].get("side_channel_port")
         if side_port:
             # One port per worker: DP rank d's TP rank r listens on port + d * TP + r. (NIXL's UCX data
@@ -198,24 +202,31 @@ def network_policies(isvc: InferenceService, names: Names) -> list[Manifest]:
     policies.append(_network_policy(isvc, names, "coordinator", coordinator))
     if spec.kv_transfer.connector == "kvstore":
         policies.append(_network_policy(isvc, names, "kvstore", [{"from": [instance], "ports": [_tcp(KVSTORE_PORT)]}]))
+    if spec.router.gateway is not None:
+        policies.append(render_gateway.epp_network_policy(isvc, names))
     return policies
 
 
 # --- RBAC for the router's endpoint discovery ---------------------------------------------------------
 
 def _router_rbac(isvc: InferenceService, names: Names) -> list[Manifest]:
-    account = names.router_account
+    return discovery_rbac(isvc, names.router_account, "router")
+
+
+def discovery_rbac(isvc: InferenceService, account: str, component: str) -> list[Manifest]:
+    """A ServiceAccount that may read the namespace's EndpointSlices (and nothing else), for a pod
+    that finds engines the way the router does (router/discovery.py)."""
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(isvc, account, "router")},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(isvc, account, component)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _metadata(isvc, account, "router"),
+            "metadata": _metadata(isvc, account, component),
             "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                        "verbs": ["get", "list", "watch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": _metadata(isvc, account, "router"),
+            "metadata": _metadata(isvc, account, component),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
             "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": isvc.namespace}],
         },
@@ -364,6 +375,8 @@ def _engine(isvc: InferenceService, names: Names, pool: Pool) -> Manifest:
     ports = [("http", ENGINE_PORT)]
     if spec.kv_transfer.connector == "p2p":
         ports.append(("kv-transfer", KV_TRANSFER_PORT))
+    if commands.uses_rank_ports(isvc, pool.role):
+        ports += [(f"rank-{rank}", port) for rank, port in enumerate(render_gateway.target_ports(isvc))]
     volumes: list[dict[str, Any]] = [
         # Tensor-parallel workers exchange tensors through /dev/shm; the runtime's 64 MiB default is too small.
         {"name": "shm", "emptyDir": {"medium": "Memory"}},

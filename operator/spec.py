@@ -93,6 +93,34 @@ class SecretKey:
 
 
 @dataclass(frozen=True)
+class EndpointPicker:
+    replicas: int
+    port: int  # gRPC: ext_proc and grpc.health.v1
+    metrics_port: int  # HTTP: /health and /metrics
+    failure_mode: str  # FailClose | FailOpen
+    resources: dict[str, dict[str, str]]
+
+
+@dataclass(frozen=True)
+class HTTPRoute:
+    gateway_name: str
+    gateway_namespace: str | None
+    section_name: str | None
+    path_prefix: str
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """spec.router.gateway, when enabled: the objects a Gateway API Inference Extension gateway needs."""
+
+    pool_name: str | None  # None: the default name (names.Names.inference_pool)
+    endpoint_picker: EndpointPicker
+    http_route: HTTPRoute | None
+    # Namespaces of the gateway's proxies; None: any source may reach what the gateway must reach.
+    proxy_namespace_selector: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Router:
     replicas: int
     port: int
@@ -100,6 +128,7 @@ class Router:
     service_type: str
     api_key_secret: SecretKey | None
     resources: dict[str, dict[str, str]]
+    gateway: Gateway | None = None  # None: absent or disabled
 
 
 @dataclass(frozen=True)
@@ -214,6 +243,23 @@ def _pool(role: str, raw: Mapping[str, Any]) -> Pool:
     )
 
 
+def _gateway(raw: Mapping[str, Any] | None) -> Gateway | None:
+    if raw is None or not raw["enabled"]:
+        return None
+    picker, route = raw["endpointPicker"], raw.get("httpRoute")
+    proxies = raw.get("proxyNamespaceSelector")
+    return Gateway(
+        pool_name=(raw.get("inferencePool") or {}).get("name"),
+        endpoint_picker=EndpointPicker(
+            replicas=picker["replicas"], port=picker["port"], metrics_port=picker["metricsPort"],
+            failure_mode=picker["failureMode"], resources=_quantities(picker.get("resources"))),
+        http_route=None if route is None else HTTPRoute(
+            gateway_name=route["gatewayName"], gateway_namespace=route.get("gatewayNamespace"),
+            section_name=route.get("sectionName"), path_prefix=route["pathPrefix"]),
+        proxy_namespace_selector=None if proxies is None else dict(proxies),
+    )
+
+
 def _spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     model, router, kv, engine = raw["model"], raw["router"], raw["kvTransfer"], raw["engine"]
     secret = router.get("apiKeySecret")
@@ -241,6 +287,7 @@ def _spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             service_type=router["serviceType"],
             api_key_secret=SecretKey(secret["name"], secret["key"]) if secret else None,
             resources=_quantities(router.get("resources")),
+            gateway=_gateway(router.get("gateway")),
         ),
         kv_transfer=KVTransfer(
             connector=kv["connector"],
@@ -303,6 +350,20 @@ def _rule_shared_storage_one_volume(isvc: InferenceService) -> list[str]:
     return [_message("shared-storage-one-volume")]
 
 
+def _rule_gateway_data_parallel(isvc: InferenceService) -> list[str]:
+    spec = isvc.spec
+    if spec.router.gateway is None or spec.decode.data_parallel_size <= crd.MAX_GATEWAY_DATA_PARALLEL:
+        return []
+    return [_message("gateway-data-parallel")]
+
+
+def _rule_gateway_ports(isvc: InferenceService) -> list[str]:
+    gateway = isvc.spec.router.gateway
+    if gateway is None or gateway.endpoint_picker.port != gateway.endpoint_picker.metrics_port:
+        return []
+    return [_message("gateway-ports")]
+
+
 def _message(rule_id: str, path: str | None = None) -> str:
     return next(r.message for r in crd.RULES if r.id == rule_id and (path is None or r.path == path))
 
@@ -316,6 +377,8 @@ CEL_TWINS: dict[str, Callable[[InferenceService], list[str]]] = {
     "pd-ratio-needs-autoscaling": _rule_pd_ratio,
     "shared-storage-volume": _rule_shared_storage_volume,
     "shared-storage-one-volume": _rule_shared_storage_one_volume,
+    "gateway-data-parallel": _rule_gateway_data_parallel,
+    "gateway-ports": _rule_gateway_ports,
 }
 
 
@@ -327,7 +390,7 @@ MANAGED_ENGINE_FLAGS = frozenset({
     "--model", "--served-model-name", "--host", "--port", "--tensor-parallel-size",
     "--data-parallel-size", "--max-model-len", "--block-size", "--max-num-seqs",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--engine-role", "--kv-transfer-config",
-    "--coordinator-address", "--coordinator-publish-address",
+    "--coordinator-address", "--coordinator-publish-address", "--rank-port-base",
 })
 
 
@@ -347,6 +410,14 @@ def _semantic_errors(isvc: InferenceService) -> list[str]:
             errors.append(f"engine.extraArgs must not set {flag}: the operator sets it from the spec")
     if spec.kv_transfer.connector == "kvstore" and spec.kv_transfer.kvstore_capacity_bytes <= 0:
         errors.append("kvTransfer.kvstore.capacity must be more than zero bytes")
+    route = spec.router.gateway.http_route if spec.router.gateway else None
+    if route is not None and {".", ".."} & set(route.path_prefix.split("/")):
+        # Gateways refuse such a route (Gateway API path rules); say so here, before anything is applied.
+        errors.append(f"router.gateway.httpRoute.pathPrefix {route.path_prefix!r} must not contain '.' or '..' "
+                      "segments")
+    for banned in ("//", "%2f", "%2F"):
+        if route is not None and banned in route.path_prefix:
+            errors.append(f"router.gateway.httpRoute.pathPrefix {route.path_prefix!r} must not contain {banned!r}")
     return errors
 
 

@@ -60,6 +60,8 @@ def desired_replicas(isvc: InferenceService) -> dict[str, int]:
                "coordinator": 1}
     if spec.kv_transfer.connector == "kvstore":
         desired["kvstore"] = 1
+    if spec.router.gateway is not None:
+        desired["epp"] = spec.router.gateway.endpoint_picker.replicas
     return desired
 
 
@@ -100,8 +102,13 @@ def _phase(desired: Mapping[str, int], states: Mapping[str, DeploymentState | No
 
 
 def compute_status(isvc: InferenceService, deployments: Mapping[str, Mapping[str, Any] | None],
-                   previous: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
-    """The full status of a valid InferenceService from its live Deployments (by role; None = absent)."""
+                   previous: Mapping[str, Any], now: dt.datetime,
+                   gateway: GatewayOutcome | None = None) -> dict[str, Any]:
+    """The full status of a valid InferenceService from its live Deployments (by role; None = absent).
+
+    `gateway`: how applying the gateway objects went in this pass; None when nothing was applied
+    (a status refresh), which keeps the previous Gateway condition.
+    """
     names = Names(isvc.name)
     desired = desired_replicas(isvc)
     states = {role: DeploymentState.from_live(d) if d is not None else None for role, d in deployments.items()}
@@ -129,17 +136,35 @@ def compute_status(isvc: InferenceService, deployments: Mapping[str, Mapping[str
     else:
         ready_message, ready_reason = "; ".join(failures + lagging), phase
     ready_of = {role: status[role]["readyReplicas"] for role in desired}
-    if not ready_of["router"]:
+    through_gateway = bool(ready_of.get("epp"))
+    if not ready_of["router"] and not through_gateway:
         available = (False, "NoReadyRouter", "no router pod is ready")
     elif not ready_of["decode"]:
         available = (False, "NoReadyDecode", "no decode engine is ready; requests have nowhere to run")
+    elif not ready_of["router"]:
+        available = (True, "Serving", "serving through the inference gateway only (no router pod is ready)")
     else:
         available = (True, "Serving", f"serving at {status['endpoint']}")
     status["conditions"] = [
         _condition("Ready", phase == "Ready", ready_reason, ready_message, isvc.generation, previous, now),
         _condition("Available", *available, isvc.generation, previous, now),
     ]
+    if isvc.spec.router.gateway is not None:
+        if gateway is not None:
+            status["conditions"].append(
+                _condition("Gateway", gateway.applied, gateway.reason, gateway.message, isvc.generation, previous, now))
+        else:
+            status["conditions"] += [c for c in previous.get("conditions") or [] if c.get("type") == "Gateway"]
     return status
+
+
+@dataclass(frozen=True)
+class GatewayOutcome:
+    """Whether the InferencePool (and HTTPRoute) could be applied, for the Gateway condition."""
+
+    applied: bool
+    reason: str  # Applied | CRDNotInstalled
+    message: str
 
 
 def invalid_status(generation: int | None, message: str, anything_running: bool,

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import attrs
+import jsonschema
 import kmock as km
 import kopf
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -45,6 +47,10 @@ KINDS: dict[str, tuple[km.resource, str]] = {
                     "/apis/rbac.authorization.k8s.io/v1"),
     "Secret": (km.resource("", "v1", "secrets"), "/api/v1"),
     "NetworkPolicy": (km.resource("networking.k8s.io", "v1", "networkpolicies"), "/apis/networking.k8s.io/v1"),
+    # The Gateway API Inference Extension's kinds: served only once a test installs them (gie_crds).
+    "InferencePool": (km.resource("inference.networking.k8s.io", "v1", "inferencepools"),
+                      "/apis/inference.networking.k8s.io/v1"),
+    "HTTPRoute": (km.resource("gateway.networking.k8s.io", "v1", "httproutes"), "/apis/gateway.networking.k8s.io/v1"),
 }
 
 
@@ -172,6 +178,16 @@ class Cluster:
                 status["conditions"] = conditions
             await self.patch("Deployment", f"{name}-{role}", {"status": status}, subresource="status")
 
+    def without_gie_crds(self) -> None:
+        """A cluster whose gateway provider has not installed the GIE CRDs: the API server answers 404 for
+        their resources (kmock would otherwise store any kind), until install_gie_crds()."""
+        self.gie_installed = False
+        kinds = {KINDS[kind][0] for kind in ("InferencePool", "HTTPRoute")}
+        self.kmock[lambda request: not self.gie_installed and request.resource in kinds] << 404
+
+    def install_gie_crds(self) -> None:
+        self.gie_installed = True
+
     # --- request log ---
     def requests(self, method: str | None = None, kind: str | None = None, name: str | None = None,
                  subresource: str | None = "*") -> list[km.Request]:
@@ -220,16 +236,17 @@ class Cluster:
     def in_flight(self, handler: str = r"\w+") -> int:
         return self.calls(handler) - self._count(handler, "(succeeded|failed)")
 
-    async def idle(self) -> None:
+    async def idle(self, timeout: float = 15.0) -> None:
         """Wait until no handler call is running (so counts and the request log are final)."""
         await self.wait_for(lambda: self.in_flight() == 0,
-                            f"running handlers to finish ({self.calls()} calls, {self.in_flight()} running)")
+                            f"running handlers to finish ({self.calls()} calls, {self.in_flight()} running)", timeout)
 
-    async def settle(self, handler: str, calls_before: int, count: int = 1) -> None:
+    async def settle(self, handler: str, calls_before: int, count: int = 1, timeout: float = 15.0) -> None:
         """Wait for `count` more calls of `handler` to start and every handler call to finish."""
         await self.wait_for(lambda: self.calls(handler) >= calls_before + count,
-                            f"{count} more call(s) of {handler} (had {calls_before}, now {self.calls(handler)})")
-        await self.idle()
+                            f"{count} more call(s) of {handler} (had {calls_before}, now {self.calls(handler)})",
+                            timeout)
+        await self.idle(timeout)
 
     @contextlib.asynccontextmanager
     async def operator(self, **config: Any) -> AsyncIterator[None]:
@@ -283,6 +300,63 @@ def cluster(kmock: km.KubernetesEmulator, kubeconfig: Path, caplog: pytest.LogCa
     # Handler calls are logged at DEBUG; set last, as set_level also lowers the capturing handler.
     caplog.set_level(logging.DEBUG, logger="kopf.objects")
     return Cluster(kmock, kubeconfig, caplog)
+
+
+# --- the Gateway API Inference Extension's kinds -------------------------------------------------
+# kubernetes-validate knows built-in kinds only; the GIE kinds are checked against their published
+# schemas, vendored under data/ (each file names its source).
+
+GIE_SCHEMAS = {("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.schema.yaml",
+               ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute-v1.schema.yaml"}
+
+
+def _pruned_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields of `value` a structural schema does not declare: the API server would silently drop
+    them (pruning), so a misspelt field would vanish instead of failing."""
+    found = []
+    if isinstance(value, dict) and "properties" in schema:
+        for key, child in value.items():
+            if key not in schema["properties"]:
+                found.append(f"{path}.{key}")
+            elif path or key not in ("metadata", "apiVersion", "kind"):
+                found += _pruned_fields(child, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            found += _pruned_fields(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def _gie_cel_errors(manifest: dict[str, Any]) -> list[str]:
+    """The CEL rules of the vendored InferencePool schema that concern what we render."""
+    if manifest["kind"] != "InferencePool":
+        return []
+    spec, errors = manifest["spec"], []
+    ref = spec["endpointPickerRef"]
+    if ref.get("kind", "Service") == "Service" and "port" not in ref:
+        errors.append("endpointPickerRef: port is required when kind is 'Service'")
+    numbers = [p["number"] for p in spec["targetPorts"]]
+    if len(numbers) != len(set(numbers)):
+        errors.append("targetPorts: port number must be unique")
+    return errors
+
+
+def validate_manifest(manifest: dict[str, Any]) -> None:
+    key = (manifest["apiVersion"], manifest["kind"])
+    if key not in GIE_SCHEMAS:
+        kubernetes_validate.validate(manifest, "1.32", strict=True)
+        return
+    schema = yaml.safe_load((REPO / "tests" / "operator" / "data" / GIE_SCHEMAS[key]).read_text())
+    jsonschema.Draft4Validator(schema).validate(manifest)
+    assert _pruned_fields(manifest, schema) == [], f"{key}: fields the schema does not know"
+    assert _gie_cel_errors(manifest) == []
+    kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": manifest["metadata"]},
+                                 "1.32", strict=True)  # the metadata, as for any object
+
+
+@pytest.fixture(name="validate_manifest")
+def validate_manifest_fixture() -> Callable[[dict[str, Any]], None]:
+    """validate_manifest(m): raises unless `m` is valid for Kubernetes 1.32 (GIE kinds: their schemas)."""
+    return validate_manifest
 
 
 @pytest.fixture

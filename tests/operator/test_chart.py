@@ -8,13 +8,16 @@ import yaml
 
 from pdserve.cli import build_parser
 from pdserve.operator import crd
-from pdserve.operator.render import RUN_AS_USER, render
+from pdserve.operator.render import RUN_AS_USER, optional_objects, render
+from pdserve.operator.spec import parse
 
 # Resource and API group of every kind the renderer produces.
 RENDERED = {"Deployment": ("apps", "deployments"), "Service": ("", "services"), "ConfigMap": ("", "configmaps"),
             "ServiceAccount": ("", "serviceaccounts"), "Role": ("rbac.authorization.k8s.io", "roles"),
             "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "Secret": ("", "secrets"),
-            "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
+            "NetworkPolicy": ("networking.k8s.io", "networkpolicies"),
+            "InferencePool": ("inference.networking.k8s.io", "inferencepools"),
+            "HTTPRoute": ("gateway.networking.k8s.io", "httproutes")}
 
 
 def kinds(manifests: list[dict]) -> dict[str, list[dict]]:
@@ -95,6 +98,7 @@ SPECS = [
      "router": {"apiKeySecret": {"name": "keys"}}},
     {"model": {"name": "m", "path": "demo"}, "kvTransfer": {"connector": "shared-storage",
                                                             "sharedStorage": {"claimName": "kv"}}},
+    {"model": {"name": "m", "path": "demo"}, "router": {"gateway": {"httpRoute": {"gatewayName": "gw"}}}},
 ]
 
 
@@ -106,6 +110,11 @@ def test_rbac_covers_everything_the_operator_renders_and_grants(chart_rbac, spec
         group, resource = RENDERED[manifest["kind"]]
         for verb in ("get", "create", "patch"):  # apply: read, create or patch
             assert chart_rbac(group, resource, verb), f"cannot {verb} {resource}"
+    # What a spec no longer renders is deleted (the KV store, policies, the gateway's objects).
+    for api_version, kind, _ in optional_objects(parse({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                                        "metadata": {"name": "x"}, "spec": spec})):
+        group, resource = RENDERED[kind]
+        assert chart_rbac(group, resource, "delete"), f"cannot delete {resource}"
         # Kubernetes refuses a Role granting more than its creator holds.
         for rule in manifest.get("rules", []):
             for group_ in rule["apiGroups"]:

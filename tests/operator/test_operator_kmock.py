@@ -331,3 +331,66 @@ async def test_the_key_of_an_earlier_resource_of_the_same_name_is_adopted(cluste
     assert [ref["uid"] for ref in secret["metadata"]["ownerReferences"]] == ["uid-demo"]
     assert [r.method.value for r in cluster.writes("Secret")] == ["PATCH"]
     assert set(cluster.writes("Secret")[0].data["metadata"]) == {"ownerReferences"}
+
+
+# Bounds for the gateway test, which reconciles four times; a loaded 2-core machine is slow, not wrong.
+SLOW = 60.0
+
+
+async def test_the_gateway_objects_follow_the_spec(cluster, make_isvc, chart_rbac):
+    """spec.router.gateway on a cluster without the GIE CRDs, then with them, then turned off."""
+    gateway = {"replicas": 1, "port": 8000, "gateway": {"httpRoute": {"gatewayName": "inference-gateway"}}}
+    isvc = make_isvc({"router": gateway})
+    cluster.without_gie_crds()
+    async with cluster.operator():
+        await cluster.create(isvc)
+        await cluster.wait_for(lambda: any(c["type"] == "Gateway" for c in status_of(cluster).get("conditions", [])),
+                               "the Gateway condition", timeout=SLOW)
+        missing = condition(status_of(cluster), "Gateway")
+        assert (missing["status"], missing["reason"]) == ("False", "CRDNotInstalled"), missing
+        assert "InferencePool" in missing["message"]
+        # Everything else is in place: the router serves meanwhile, and the picker is ready for the pool.
+        assert cluster.names("Deployment") == {"demo-prefill", "demo-decode", "demo-router", "demo-coordinator",
+                                               "demo-epp"}
+        assert cluster.get("Service", "demo-epp") and cluster.get("NetworkPolicy", "demo-epp")
+
+        cluster.install_gie_crds()
+        runs = cluster.calls("apply_spec")
+        await cluster.patch("InferenceService", "demo", {"spec": {"decode": {"replicas": 2}}})
+        await cluster.settle("apply_spec", runs, timeout=SLOW)
+        await cluster.wait_for(lambda: condition(status_of(cluster), "Gateway")["status"] == "True", "applied",
+                               timeout=SLOW)
+        expected = {m["kind"]: m for m in render(cluster.get("InferenceService", "demo"))
+                    if m["kind"] in ("InferencePool", "HTTPRoute")}
+        for kind, manifest in expected.items():
+            live = cluster.get(kind, manifest["metadata"]["name"])
+            assert live is not None and matches(manifest, live), kind
+            assert live["metadata"]["ownerReferences"][0]["uid"] == "uid-demo"
+        assert condition(status_of(cluster), "Gateway")["message"] == (
+            "applied InferencePool demo-pool, HTTPRoute demo-route (inference.networking.k8s.io/v1)")
+        assert status_of(cluster)["epp"]["desiredReplicas"] == 1
+
+        # The route dropped, then the gateway: their objects go (kmock has no garbage collector to do it).
+        runs = cluster.calls("apply_spec")
+        await cluster.patch("InferenceService", "demo", {"spec": {"router": {"gateway": {"httpRoute": None}}}})
+        await cluster.settle("apply_spec", runs, timeout=SLOW)
+        await cluster.wait_for(lambda: cluster.get("HTTPRoute", "demo-route") is None, "the route deleted",
+                               timeout=SLOW)
+        assert cluster.get("InferencePool", "demo-pool") is not None
+        runs = cluster.calls("apply_spec")
+        await cluster.patch("InferenceService", "demo", {"spec": {"router": {"gateway": {"enabled": False}}}})
+        await cluster.settle("apply_spec", runs, timeout=SLOW)
+        await cluster.wait_for(lambda: cluster.get("InferencePool", "demo-pool") is None, "the pool deleted",
+                               timeout=SLOW)
+        assert "demo-epp" not in cluster.names("Deployment")
+        assert all(cluster.get(kind, "demo-epp") is None
+                   for kind in ("Service", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"))
+        # The status is written after the deletions, in the same pass.
+        await cluster.wait_for(lambda: not any(c["type"] == "Gateway" for c in status_of(cluster)["conditions"]),
+                               "the Gateway condition gone", timeout=SLOW)
+
+    verbs = {"GET": "get", "POST": "create", "PATCH": "patch", "DELETE": "delete"}
+    for request in cluster.requests(kind="InferencePool") + cluster.requests(kind="HTTPRoute"):
+        if request.headers.get("User-Agent", "").startswith("python-httpx"):
+            verb = verbs[request.method.value]
+            assert chart_rbac(request.resource.group, request.resource.plural, verb), (verb, request.resource)

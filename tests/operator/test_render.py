@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import base64
 import copy
+import datetime as dt
 import json
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.cli import build_parser
 from pdserve.cli import main as pdserve_main
 from pdserve.engine.internal_auth import ENV_KEY, ENV_KEY_FILE, generate_key, load_internal_key
+from pdserve.engine.server.rank_ports import check_rank_ports
 from pdserve.operator import crd
 from pdserve.operator.names import Names
-from pdserve.operator.render import (ENGINE_GRACE_SECONDS, ENGINE_PRESTOP_SECONDS, RUN_AS_USER,
+from pdserve.operator.render import (ENGINE_GRACE_SECONDS, ENGINE_PRESTOP_SECONDS, INTERNAL_KEY_PATH, RUN_AS_USER,
                                      internal_key_secret, optional_objects, render)
+from pdserve.operator.schema import defaulted, schema_errors
 from pdserve.operator.spec import InvalidSpec, parse
+from pdserve.operator.status import GatewayOutcome, compute_status
 
 LABEL_KEYS = {"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
               "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of"}
@@ -67,6 +72,14 @@ SPECS = {
         kvTransfer={"connector": "kvstore"},
         networkPolicy={"metricsNamespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}),
     "network policies off": isvc(networkPolicy={"enabled": False}),
+    "inference gateway, data-parallel decode": isvc(
+        decode={"replicas": 2, "dataParallelSize": 4},
+        router={"routingPolicy": "round-robin", "gateway": {
+            "endpointPicker": {"replicas": 2, "failureMode": "FailOpen", "resources": {"requests": {"cpu": "1"}}},
+            "httpRoute": {"gatewayName": "inference-gateway", "gatewayNamespace": "gateways",
+                          "sectionName": "http", "pathPrefix": "/v1"},
+            "proxyNamespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}}}},
+        networkPolicy={"metricsNamespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}),
 }
 
 
@@ -88,10 +101,10 @@ def flag(args: list[str], name: str) -> str:
 
 
 @pytest.mark.parametrize("case", SPECS)
-def test_every_manifest_is_valid_kubernetes(case):
+def test_every_manifest_is_valid_kubernetes(case, validate_manifest):
     manifests = render_case(case)
     for manifest in manifests:
-        kubernetes_validate.validate(manifest, "1.32", strict=True)
+        validate_manifest(manifest)  # kubernetes-validate; the vendored GIE schemas for their kinds
     names = [(m["kind"], m["metadata"]["name"]) for m in manifests]
     assert len(names) == len(set(names))
 
@@ -128,6 +141,9 @@ def test_pods_are_wired_consistently(case):
         assert main["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         ports = {p["name"] for p in main["ports"]}
         for probe in ("readinessProbe", "livenessProbe"):
+            if "grpc" in main[probe]:  # a gRPC probe takes a number, not a port name
+                assert main[probe]["grpc"]["port"] in {p["containerPort"] for p in main["ports"]}, name
+                continue
             action = main[probe].get("httpGet") or main[probe]["tcpSocket"]
             assert action["port"] in ports, f"{name} {probe} names a port the container lacks"
             if "httpGet" in main[probe]:
@@ -450,7 +466,7 @@ def admits(policy: dict, port: int, labels: dict, namespace: str = "serving",
 
 def pod_labels(manifests: list[dict]) -> dict[str, dict]:
     return {role: by_kind(manifests, "Deployment")[f"llama-{role}"]["spec"]["template"]["metadata"]["labels"]
-            for role in ("prefill", "decode", "router", "coordinator", "kvstore")
+            for role in ("prefill", "decode", "router", "coordinator", "kvstore", "epp")
             if f"llama-{role}" in by_kind(manifests, "Deployment")}
 
 
@@ -534,12 +550,13 @@ def test_metrics_are_open_only_to_the_namespaces_the_spec_names():
 
 def test_policies_that_are_not_rendered_are_deleted():
     stale = {name for _, kind, name in optional_objects(parse(SPECS["defaults"])) if kind == "NetworkPolicy"}
-    assert stale == {"llama-kvstore"}  # the KV store's, after a switch away from its connector
+    # The KV store's after a switch away from its connector; the endpoint picker's after the gateway is turned off.
+    assert stale == {"llama-kvstore", "llama-epp"}
     assert not by_kind(render_case("network policies off"), "NetworkPolicy")
     off = {name for _, kind, name in optional_objects(parse(SPECS["network policies off"])) if kind == "NetworkPolicy"}
-    assert off == {f"llama-{role}" for role in ("prefill", "decode", "router", "coordinator", "kvstore")}
+    assert off == {f"llama-{role}" for role in ("prefill", "decode", "router", "coordinator", "kvstore", "epp")}
     kvstore = parse(SPECS["kvstore connector"])
-    assert not [o for o in optional_objects(kvstore) if o[1] == "NetworkPolicy"]
+    assert [o[2] for o in optional_objects(kvstore) if o[1] == "NetworkPolicy"] == ["llama-epp"]
 
 
 # --- hostPath -------------------------------------------------------------------------------------
@@ -581,3 +598,302 @@ def test_the_side_channel_serves_on_the_pod_ip():
     decode = container(deployments["llama-decode"])
     assert "side_channel_host" not in json.loads(flag(decode["args"], "--kv-transfer-config"))[
         "kv_connector_extra_config"]  # a consumer serves no side channel
+
+
+# --- spec.router.gateway: the Gateway API Inference Extension objects (issue 22) --------------------
+# Every object is also in the table above (the "inference gateway" case): valid for Kubernetes 1.32
+# or the vendored GIE schemas, labelled, owned, its network policies admitting only peers.
+
+GATEWAY = {"httpRoute": {"gatewayName": "inference-gateway"}}
+NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def gateway_isvc(gateway=None, **spec) -> dict:
+    obj = isvc(**spec)
+    obj["spec"].setdefault("router", {})["gateway"] = copy.deepcopy(GATEWAY if gateway is None else gateway)
+    return obj
+
+
+def one(manifests: list[dict], kind: str) -> dict:
+    found = [m for m in manifests if m["kind"] == kind]
+    assert len(found) == 1, (kind, [m["metadata"]["name"] for m in found])
+    return found[0]
+
+
+def role_labels(manifests: list[dict], role: str) -> dict:
+    return by_kind(manifests, "Deployment")[f"llama-{role}"]["spec"]["template"]["metadata"]["labels"]
+
+
+# --- gateway off: nothing changes -----------------------------------------------------------------
+
+def test_a_disabled_or_absent_gateway_renders_nothing_of_it():
+    plain = isvc(decode={"dataParallelSize": 4})
+    disabled = gateway_isvc({"enabled": False, "httpRoute": {"gatewayName": "gw"}}, decode={"dataParallelSize": 4})
+    assert render(disabled) == render(plain)
+    kinds = {m["kind"] for m in render(plain)}
+    assert not kinds & {"InferencePool", "HTTPRoute"}
+    assert "llama-epp" not in by_kind(render(plain), "Deployment")
+    # Rank ports are the gateway's business: without it a DP decode pod keeps its one port.
+    decode = container(by_kind(render(plain), "Deployment")["llama-decode"])
+    assert "--rank-port-base" not in decode["args"] and [p["name"] for p in decode["ports"]] == ["http", "kv-transfer"]
+
+
+# --- the InferencePool ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks, ports", [(1, [8000]), (3, [8100, 8101, 8102]), (8, list(range(8100, 8108)))])
+def test_the_pool_selects_the_decode_pods_on_one_port_per_rank(ranks, ports, validate_manifest):
+    manifests = render(gateway_isvc(decode={"dataParallelSize": ranks, "replicas": 2}))
+    pool = one(manifests, "InferencePool")
+    validate_manifest(pool)
+    assert pool["metadata"]["name"] == "llama-pool"
+    selector = {"matchLabels": pool["spec"]["selector"]["matchLabels"]}
+    assert selects(selector, role_labels(manifests, "decode"))
+    for role in ("prefill", "router", "epp", "coordinator"):
+        assert not selects(selector, role_labels(manifests, role)), role
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == ports
+
+    # Every target port is a port the decode container declares and the engine is told to serve.
+    decode = container(by_kind(manifests, "Deployment")["llama-decode"])
+    assert set(ports) <= {p["containerPort"] for p in decode["ports"]}
+    args = decode["args"]
+    parsed = build_parser(args).parse_args(args)
+    if ranks == 1:
+        assert parsed.rank_port_base is None
+    else:
+        assert parsed.rank_port_base == 8100 and parsed.data_parallel_size == ranks
+        # The engine's own check of its port layout (it refuses to start otherwise).
+        assert check_rank_ports(parsed.rank_port_base, ranks, parsed.port) is None
+        assert [parsed.rank_port_base + r for r in range(ranks)] == ports
+    prefill = container(by_kind(manifests, "Deployment")["llama-prefill"])["args"]
+    assert "--rank-port-base" not in prefill  # the gateway never sends requests to prefill pods
+
+
+def test_the_pool_points_at_the_pickers_grpc_service():
+    manifests = render(gateway_isvc({"inferencePool": {"name": "llama-3"},
+                                     "endpointPicker": {"port": 9102, "metricsPort": 9190, "failureMode": "FailOpen"}}))
+    pool = one(manifests, "InferencePool")
+    assert pool["metadata"]["name"] == "llama-3"
+    ref = pool["spec"]["endpointPickerRef"]
+    service = by_kind(manifests, "Service")[ref["name"]]
+    assert (ref["kind"], ref["group"], ref["failureMode"]) == ("Service", "", "FailOpen")
+    grpc = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert grpc["appProtocol"] == "kubernetes.io/h2c"
+    epp = by_kind(manifests, "Deployment")["llama-epp"]
+    assert selects({"matchLabels": service["spec"]["selector"]}, epp["spec"]["template"]["metadata"]["labels"])
+    assert grpc["targetPort"] in {p["name"] for p in container(epp)["ports"]}
+    assert container(epp)["readinessProbe"]["grpc"] == {"port": 9102}
+    # GIE's own default: a gateway whose picker is down refuses requests.
+    assert one(render(gateway_isvc()), "InferencePool")["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+
+
+# --- the endpoint picker's pod --------------------------------------------------------------------
+
+def test_the_picker_command_follows_the_flag_contract():
+    obj = gateway_isvc({"endpointPicker": {"replicas": 3, "resources": {"limits": {"memory": "1Gi"}}}},
+                       decode={"dataParallelSize": 2}, router={"routingPolicy": "round-robin"})
+    manifests = render(obj)
+    epp = by_kind(manifests, "Deployment")["llama-epp"]
+    main = container(epp)
+    assert epp["spec"]["replicas"] == 3 and main["resources"] == {"limits": {"memory": "1Gi"}}
+    argv = [*main["command"], *main["args"]]
+    assert argv[:2] == ["pdserve", "epp"]
+    args = argv[2:]
+    expected = {"--model": "llama-3-8b", "--pool-service": "llama-decode", "--pool-port": "8000",
+                "--prefill-service": "llama-prefill", "--prefill-port": "8000", "--rank-port-base": "8100",
+                "--coordinator": "tcp://llama-coordinator:5558", "--policy": "round-robin",
+                "--grpc-port": "9002", "--metrics-port": "9090", "--host": "0.0.0.0",
+                "--internal-key-file": INTERNAL_KEY_PATH, "--namespace": "serving", "--pool-name": "llama-pool"}
+    assert {name: flag(args, name) for name in expected} == expected
+    # The coordinator and both Services named exist in the same rendering.
+    services = by_kind(manifests, "Service")
+    assert {"llama-decode", "llama-prefill", "llama-coordinator"} <= set(services)
+    # The key file it is told to read is the one its pod mounts from the internal-key Secret.
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["PDSERVE_INTERNAL_KEY_FILE"] == INTERNAL_KEY_PATH
+    # Its own account, allowed to read EndpointSlices and nothing else.
+    pod = epp["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-epp" and pod["automountServiceAccountToken"] is True
+    role = by_kind(manifests, "Role")["llama-epp"]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = by_kind(manifests, "RoleBinding")["llama-epp"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-epp", "namespace": "serving"}]
+    # Without DP ranks there is no rank port base to pass.
+    assert "--rank-port-base" not in container(by_kind(render(gateway_isvc()), "Deployment")["llama-epp"])["args"]
+
+
+def test_the_picker_command_is_accepted_by_pdserve_epp():
+    """The operator spells `pdserve epp`'s flags out by hand; the real parser must take them."""
+    args = container(by_kind(render(gateway_isvc(decode={"dataParallelSize": 2})), "Deployment")["llama-epp"])["args"]
+    parsed = build_parser(args).parse_args(args)
+    assert parsed.command == "epp"
+    values = vars(parsed)
+    assert values["grpc_port"] == 9002 and values["metrics_port"] == 9090
+    assert values["pool_service"] == "llama-decode" and values["prefill_service"] == "llama-prefill"
+    assert values["rank_port_base"] == 8100 and values["namespace"] == "serving"
+    assert values["pool_name"] == "llama-pool" and values["policy"] == "least-loaded"
+    assert values["coordinator"] == "tcp://llama-coordinator:5558" and values["internal_key_file"] == INTERNAL_KEY_PATH
+
+
+# --- the HTTPRoute ---------------------------------------------------------------------------------
+
+def test_the_route_is_optional_and_leads_to_the_pool(validate_manifest):
+    assert not [m for m in render(gateway_isvc({})) if m["kind"] == "HTTPRoute"]
+    manifests = render(gateway_isvc({"httpRoute": {"gatewayName": "edge", "gatewayNamespace": "gateways",
+                                                   "sectionName": "https", "pathPrefix": "/llama/v1"}}))
+    route = one(manifests, "HTTPRoute")
+    validate_manifest(route)
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "edge",
+                                            "namespace": "gateways", "sectionName": "https"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/llama/v1"}}]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": one(manifests, "InferencePool")["metadata"]["name"]}]
+    # Unset: the route's own namespace and every listener (the schema's meaning of absent fields).
+    parent = one(render(gateway_isvc()), "HTTPRoute")["spec"]["parentRefs"][0]
+    assert set(parent) == {"group", "kind", "name"}
+
+
+def test_the_vendored_schemas_catch_what_they_should(validate_manifest):
+    """The validation above can fail: a pool with too many ports, a misspelt field, a bad route."""
+    pool = one(render(gateway_isvc(decode={"dataParallelSize": 8})), "InferencePool")
+    too_many = copy.deepcopy(pool)
+    too_many["spec"]["targetPorts"].append({"number": 9000})
+    misspelt = copy.deepcopy(pool)
+    misspelt["spec"]["endpointPickerRef"]["failuremode"] = "FailOpen"
+    duplicate = copy.deepcopy(pool)
+    duplicate["spec"]["targetPorts"][1] = {"number": 8100}
+    route = one(render(gateway_isvc()), "HTTPRoute")
+    bad_route = copy.deepcopy(route)
+    bad_route["spec"]["parentRefs"][0]["namespace"] = "Not_A_Namespace"
+    for broken in (too_many, misspelt, duplicate, bad_route):
+        with pytest.raises(Exception):
+            validate_manifest(broken)
+
+
+# --- network policies ------------------------------------------------------------------------------
+
+def test_policies_let_the_gateway_reach_decode_and_the_picker_reach_its_peers():
+    proxies = {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}}
+    manifests = render(gateway_isvc({"proxyNamespaceSelector": proxies}, decode={"dataParallelSize": 2}))
+    proxy = {"app": "envoy"}
+    in_gateways = {"namespace": "gateways", "namespace_labels": {"kubernetes.io/metadata.name": "gateways"}}
+    decode, prefill, epp = (policy_for(manifests, role) for role in ("decode", "prefill", "epp"))
+    for port in (8100, 8101):
+        assert admits(decode, port, proxy, **in_gateways)
+        assert not admits(decode, port, proxy, namespace="elsewhere")
+    assert not admits(decode, 8102, proxy, **in_gateways)
+    assert not any(admits(prefill, port, proxy, **in_gateways) for port in (8000, 8100, 5600))
+    assert admits(epp, 9002, proxy, **in_gateways) and not admits(epp, 9002, proxy, namespace="elsewhere")
+    assert not admits(epp, 9090, proxy, **in_gateways)  # metrics only from the namespaces the spec names
+    picker = role_labels(manifests, "epp")
+    assert admits(prefill, 8000, picker)  # the prefill leg
+    assert admits(decode, 8000, picker)
+    assert not admits(prefill, 5600, picker)  # the KV side channel stays between engines
+    assert admits(policy_for(manifests, "coordinator"), 5558, picker)  # the load feed
+
+    # Without a selector the gateway's proxies may be anywhere (managed load balancers outside the cluster).
+    anywhere = render(gateway_isvc())
+    assert admits(policy_for(anywhere, "decode"), 8000, {}, namespace="elsewhere")
+    assert admits(policy_for(anywhere, "epp"), 9002, {}, namespace="elsewhere")
+    assert not admits(policy_for(anywhere, "prefill"), 8000, {}, namespace="elsewhere")
+
+
+# --- spec validation -------------------------------------------------------------------------------
+
+REFUSED = {
+    "too many ranks for targetPorts": (gateway_isvc(decode={"dataParallelSize": 9}), "decode.dataParallelSize <= 8"),
+    "one port for gRPC and metrics": (gateway_isvc({"endpointPicker": {"port": 9000, "metricsPort": 9000}}),
+                                      "port (gRPC) and metricsPort must differ"),
+    "dot segments in the path": (gateway_isvc({"httpRoute": {"gatewayName": "gw", "pathPrefix": "/a/../b"}}),
+                                 "must not contain '.' or '..' segments"),
+    "encoded slash in the path": (gateway_isvc({"httpRoute": {"gatewayName": "gw", "pathPrefix": "/a%2fb"}}),
+                                  "must not contain '%2f'"),
+}
+SCHEMA_REFUSED = {
+    "unknown failure mode": gateway_isvc({"endpointPicker": {"failureMode": "Retry"}}),
+    "route without a gateway": gateway_isvc({"httpRoute": {"pathPrefix": "/"}}),
+    "relative path": gateway_isvc({"httpRoute": {"gatewayName": "gw", "pathPrefix": "v1"}}),
+    "path with a fragment": gateway_isvc({"httpRoute": {"gatewayName": "gw", "pathPrefix": "/v1#x"}}),
+    "pool name not a DNS label": gateway_isvc({"inferencePool": {"name": "Pool_1"}}),
+    "port out of range": gateway_isvc({"endpointPicker": {"port": 70000}}),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_gateway_specs_that_cannot_work_are_refused_clearly(case):
+    obj, message = REFUSED[case]
+    with pytest.raises(InvalidSpec) as refused:
+        parse(obj)
+    assert any(message in m for m in refused.value.messages), refused.value.messages
+
+
+@pytest.mark.parametrize("case", SCHEMA_REFUSED)
+def test_the_schema_refuses_bad_gateway_fields(case):
+    assert schema_errors(defaulted(SCHEMA_REFUSED[case]))
+    with pytest.raises(InvalidSpec):
+        parse(SCHEMA_REFUSED[case])
+
+
+def test_many_ranks_are_fine_while_the_gateway_is_off():
+    parse(gateway_isvc({"enabled": False}, decode={"dataParallelSize": 16}))
+    parse(isvc(decode={"dataParallelSize": 16}))
+
+
+def test_gateway_defaults():
+    spec = defaulted(gateway_isvc({}))["spec"]["router"]["gateway"]
+    assert spec == {"enabled": True, "endpointPicker": {"replicas": 1, "port": 9002, "metricsPort": 9090,
+                                                        "failureMode": "FailClose"}}
+    assert "gateway" not in defaulted(isvc())["spec"]["router"]  # absent stays absent: off
+
+
+# --- objects of an earlier spec, and status -------------------------------------------------------
+
+def test_turning_the_gateway_or_its_route_off_deletes_their_objects():
+    names = Names("llama")
+    off = {(kind, name) for _, kind, name in optional_objects(parse(isvc()))}
+    assert {("Deployment", "llama-epp"), ("Service", "llama-epp"), ("InferencePool", names.inference_pool()),
+            ("HTTPRoute", names.http_route), ("NetworkPolicy", "llama-epp"), ("Role", "llama-epp"),
+            ("RoleBinding", "llama-epp"), ("ServiceAccount", "llama-epp")} <= off
+    no_route = {(kind, name) for _, kind, name in optional_objects(parse(gateway_isvc({})))}
+    assert ("HTTPRoute", names.http_route) in no_route
+    assert not {("Deployment", "llama-epp"), ("InferencePool", "llama-pool")} & no_route
+    rendered = {(m["kind"], m["metadata"]["name"]) for m in render(gateway_isvc())}
+    assert not rendered & {(kind, name) for _, kind, name in optional_objects(parse(gateway_isvc()))}
+
+
+def _deployment(ready: int) -> dict:
+    return {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": ready,
+                                                      "updatedReplicas": ready, "readyReplicas": ready}}
+
+
+def test_status_counts_the_picker_and_reports_the_gateway():
+    service = parse(gateway_isvc({}, router={"replicas": 0}))
+    roles = {"prefill": 1, "decode": 1, "router": 0, "coordinator": 1, "epp": 1}
+    applied = GatewayOutcome(True, "Applied", "applied InferencePool llama-pool")
+    status = compute_status(service, {role: _deployment(n) for role, n in roles.items()}, {}, NOW, applied)
+    assert status["phase"] == "Ready" and status["epp"]["ready"] == "1/1"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Gateway"]["status"] == "True" and conditions["Gateway"]["reason"] == "Applied"
+    # No router at all, yet the gateway serves.
+    assert conditions["Available"]["status"] == "True"
+    waiting = compute_status(service, {**{role: _deployment(n) for role, n in roles.items()}, "epp": _deployment(0)},
+                             status, NOW, applied)
+    assert {c["type"]: c for c in waiting["conditions"]}["Available"]["status"] == "False"
+    # A refresh that applied nothing keeps what the last reconcile found.
+    missing = GatewayOutcome(False, "CRDNotInstalled", "the cluster does not serve InferencePool")
+    found = compute_status(service, {role: _deployment(n) for role, n in roles.items()}, {}, NOW, missing)
+    kept = compute_status(service, {role: _deployment(n) for role, n in roles.items()}, found, NOW)
+    assert [c for c in kept["conditions"] if c["type"] == "Gateway"] == [
+        c for c in found["conditions"] if c["type"] == "Gateway"]
+    # Without a gateway, no such condition and no picker in status.
+    plain = compute_status(parse(isvc()), {r: _deployment(1) for r in ("prefill", "decode", "router", "coordinator")},
+                           {}, NOW)
+    assert "epp" not in plain and {c["type"] for c in plain["conditions"]} == {"Ready", "Available"}
+
+
+def test_the_crd_carries_the_gateway_fields(repo):
+    gateway = crd.openapi_schema()["properties"]["spec"]["properties"]["router"]["properties"]["gateway"]
+    assert set(gateway["properties"]) == {"enabled", "inferencePool", "endpointPicker", "httpRoute",
+                                          "proxyNamespaceSelector"}
+    assert gateway["properties"]["endpointPicker"]["properties"]["failureMode"]["enum"] == ["FailClose", "FailOpen"]
