@@ -101,7 +101,9 @@ def coordinator(tmp_path_factory):
 def engines(coordinator, tmp_path_factory):
     """{"decode": server, "prefill": server}, both reporting to the coordinator."""
     tmp = tmp_path_factory.mktemp("engines")
-    flags = ("--coordinator-address", coordinator.stats_address, "--block-size", str(BLOCK_SIZE))
+    # 256 MiB of KV: the 4 GiB default took ~12 s of each engine's start-up to allocate.
+    flags = ("--coordinator-address", coordinator.stats_address, "--block-size", str(BLOCK_SIZE),
+             "--kv-cache-memory-bytes", str(256 << 20))
     with run_server("demo", *flags, "--engine-role", "decode", "--max-num-seqs", "2", tmp_path=tmp) as decode, \
             run_server("demo", *flags, "--engine-role", "prefill", tmp_path=tmp) as prefill:
         yield {"decode": decode, "prefill": prefill}

@@ -5,17 +5,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from support.server import run_server
-
 GOOD = {"model": "tiny", "prompt": "Hello world", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--max-model-len", "256",
-                    "--max-request-body-bytes", str(1 << 20), "--api-key", "sekret",
-                    tmp_path=tmp_path_factory.mktemp("srv")) as s:
-        yield s
+def server(tiny_server):
+    return tiny_server  # tests/server/conftest.py: max-model-len 256, a 1 MiB body limit, key "sekret"
 
 
 AUTH = {"Authorization": "Bearer sekret"}

@@ -32,10 +32,8 @@ def model(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    with run_server(model, "--served-model-name", "tiny", "--max-model-len", "256", "--api-key", "sekret",
-                    tmp_path=tmp_path_factory.mktemp("srv")) as s:
-        yield s
+def server(tiny_server):
+    return tiny_server  # tests/server/conftest.py: the llama model, max-model-len 256, key "sekret"
 
 
 def post(server, path: str, body: dict, headers: dict | None = None) -> httpx.Response:

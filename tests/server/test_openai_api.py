@@ -24,7 +24,10 @@ def model(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    with run_server(model, "--served-model-name", "tiny", tmp_path=tmp_path_factory.mktemp("srv")) as s:
+    # 4096 blocks (64k tokens) hold the 64 concurrent streams and the 15k-token request; the default
+    # (4 GiB: 174k blocks of this small model) took ~20 s of start-up to allocate.
+    with run_server(model, "--served-model-name", "tiny", "--num-kv-blocks", "4096",
+                    tmp_path=tmp_path_factory.mktemp("srv")) as s:
         yield s
 
 

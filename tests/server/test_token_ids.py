@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import Iterator
 
 import httpx
 import pytest
 
-from support.server import ServerProcess, run_server
+from support.server import ServerProcess
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over"
@@ -31,15 +30,17 @@ def tokenizer(model):
     return load_tokenizer(model)
 
 
+AUTH = {"Authorization": "Bearer sekret"}
+
+
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory) -> Iterator[ServerProcess]:
-    with run_server(model, "--served-model-name", MODEL, "--max-model-len", "256", "--num-kv-blocks", "64",
-                    tmp_path=tmp_path_factory.mktemp("token-ids")) as s:
-        yield s
+def server(tiny_server) -> ServerProcess:
+    return tiny_server  # tests/server/conftest.py: the llama model served as "tiny", key "sekret"
 
 
 def post(server: ServerProcess, route: str, **body) -> dict:
-    response = httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+    response = httpx.post(f"{server.base_url}/{route}", json={"model": MODEL, "temperature": 0, **body},
+                          headers=AUTH, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -47,7 +48,7 @@ def post(server: ServerProcess, route: str, **body) -> dict:
 def stream(server: ServerProcess, route: str, **body) -> list[dict]:
     """Every data event's choices, in order (one choice per event, as the server sends them)."""
     choices = []
-    with httpx.stream("POST", f"{server.base_url}/{route}", timeout=60,
+    with httpx.stream("POST", f"{server.base_url}/{route}", headers=AUTH, timeout=60,
                       json={"model": MODEL, "temperature": 0, "stream": True, **body}) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():

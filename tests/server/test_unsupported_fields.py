@@ -10,16 +10,13 @@ import httpx
 import openai
 import pytest
 
-from support.server import run_server
-
 MESSAGES = [{"role": "user", "content": "Hello"}]
+AUTH = {"Authorization": "Bearer sekret"}  # the shared tiny_server's key
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with run_server(model_dir("llama"), "--served-model-name", "tiny", "--max-model-len", "256",
-                    "--max-logprobs", "5", tmp_path=tmp_path_factory.mktemp("srv")) as s:
-        yield s
+def server(tiny_server):
+    return tiny_server  # tests/server/conftest.py: the llama model, max-logprobs 5, key "sekret"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +33,7 @@ def completion(**fields) -> dict:
 
 
 def post(server, route: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/{route}", json=body, timeout=120)
+    return httpx.post(f"{server.base_url}/{route}", json=body, headers=AUTH, timeout=120)
 
 
 def image(url: str = "https://example.com/cat.png") -> dict:
@@ -152,7 +149,7 @@ def test_no_op_and_implemented_fields_are_accepted(server, name, fields):
 
 def test_an_assistant_message_sent_back_with_its_null_fields_is_accepted(server):
     """The openai SDK re-sends a parsed assistant message with refusal/audio/function_call as null."""
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.base_url, api_key="sekret", max_retries=0)
     first = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
     history = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content or "x", "refusal": None,
                            "audio": None, "function_call": None, "annotations": None},
@@ -162,7 +159,7 @@ def test_an_assistant_message_sent_back_with_its_null_fields_is_accepted(server)
 
 
 def test_the_openai_sdk_sees_a_bad_request_naming_the_field(server):
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.base_url, api_key="sekret", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, reasoning_effort="low")
     assert caught.value.param == "reasoning_effort"

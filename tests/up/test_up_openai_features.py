@@ -98,8 +98,11 @@ def test_plan_passes_the_tool_call_parser_to_every_engine_and_the_router(argv, e
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     resolve_model(MODEL)  # converted once here, not inside the engines' start-up wait
+    # 512 MiB of KV per engine (~11k smollm2 tokens) holds the 20 batched chats many times over; the
+    # 4 GiB default cost each engine ~9 s of start-up (more on a loaded machine) just to allocate.
     proc = UpProcess(["--model", MODEL, "--prefill", "1", "--decode", "1", "--pd-min-prompt-tokens", "0",
-                      "--dtype", "float32", "--tool-call-parser", PARSER], tmp_path_factory.mktemp("up") / "run")
+                      "--dtype", "float32", "--tool-call-parser", PARSER, "--kv-cache-memory-bytes", str(512 << 20)],
+                     tmp_path_factory.mktemp("up") / "run")
     try:
         proc.endpoint = proc.wait_for(r"pdserve is up at (http://\S+)/v1", timeout=400).group(1)
         yield proc
