@@ -78,8 +78,10 @@ async def serve(processor: Processor, state: PoolState, metrics: EppMetrics, hos
 
     await state.start()
     limit = max_body_bytes + MESSAGE_HEADROOM
+    # No SO_REUSEPORT (gRPC's default): a second picker on a taken port must fail, not silently
+    # share the gateway's streams with a stale one.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", limit)])
+                                      ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -398,7 +398,8 @@ def test_no_ready_endpoint_gets_503_and_readiness_not_serving(tmp):
             assert status == 503
             stub = health_pb2_grpc.HealthStub(channel)
             check = lambda service: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status  # noqa: E731
-            assert check("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Readiness follows the ejection within the picker's quarter-second watch.
+            wait_until(lambda: check("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING, "readiness")
             assert check("") == health_pb2.HealthCheckResponse.SERVING  # alive: a liveness probe keeps it
         assert p.metric("inference_pool_ready_pods") == 0
 
