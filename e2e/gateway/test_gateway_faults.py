@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from support.gateway import (canary, complete, engines, gateway, host_of, kill_now, launch_epp, picks_steered,
-                             run_epp, stop, streamed_text, wait_all, wait_until)
+                             run_epp, stop, streamed_text, wait_all)
+from support.scrape import wait_until
 from support.server import ServerProcess
 
 PROMPT = "The gateway keeps serving"

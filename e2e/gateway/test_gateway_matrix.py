@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 
 from support.envoy import EnvoyProcess
-from support.gateway import (MODEL, client, gateway, launch_engines, launch_epp, metric_total, picks_steered, stop,
-                             wait_all, wait_until)
+from support.gateway import MODEL, client, gateway, launch_engines, launch_epp, picks_steered, stop, wait_all
+from support.scrape import metric_total, wait_until
 from support.server import ServerProcess
 
 # Over the P/D gateway's --pd-min-prompt-tokens (64) whatever the API wraps around it.

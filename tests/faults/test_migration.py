@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from support.server import ServerProcess, free_port, launch_server, p2p_config, wait_healthy
+from support.scrape import metric_total as metric
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 512
@@ -34,18 +35,6 @@ LONG_PROMPT = " ".join(f"word{i % 31}" for i in range(60))
 # of text, long before the end on any machine, and the rest is short enough to keep the module quick.
 STREAM_TOKENS = 160
 KILL_AFTER = 8
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus series over the label sets that match `labels` (absent: 0)."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def wait_for(predicate, timeout: float, message: str) -> float:

@@ -20,7 +20,8 @@ import pytest
 
 from support.envoy import EnvoyProcess, GatewaySpec, render_bootstrap, validate
 from support.gateway import (MODEL, canary, chat, client, complete, gateway, host_of, launch_engines, launch_epp,
-                             metric_total, picks_steered, stop, streamed_text, successes, wait_all, wait_until)
+                             picks_steered, stop, streamed_text, wait_all)
+from support.scrape import metric_total, successes, wait_until
 from support.server import ServerProcess
 
 LONG_PROMPT = " ".join(f"word{i % 37}" for i in range(120))  # well over --pd-min-prompt-tokens 64

@@ -34,6 +34,7 @@ from pdserve.engine import internal_auth
 from pdserve.engine.core.load_reporter import LoadReport
 from support.coordinator import run_coordinator
 from support.server import ServerProcess, free_port, p2p_config, wait_healthy
+from support.scrape import metric_total, successes, wait_until
 
 MODEL = "tiny"
 ENGINE_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "96", "--max-num-seqs", "8")
@@ -81,22 +82,6 @@ class Picker:
 
     def metric(self, name: str, **labels: str) -> float:
         return metric_total(self.url, name, **labels)
-
-
-def metric_total(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus series over the label sets that match `labels` (0 when absent)."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def successes(engine: ServerProcess) -> float:
-    return metric_total(engine.url, "vllm:request_success_total")
 
 
 @contextmanager
@@ -157,17 +142,6 @@ class Reporter:
     def close(self) -> None:
         self.running = False
         self.thread.join()
-
-
-def wait_until(predicate, message: str, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 # --- ext_proc messages ------------------------------------------------------------------------------

@@ -15,9 +15,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -30,6 +29,7 @@ import zmq
 
 from pdserve.engine import internal_auth
 from support.server import ServerProcess, free_port, wait_healthy
+from support.scrape import metric_total, successes, wait_until
 
 MODEL = "tiny"
 ENGINE_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "160", "--max-num-seqs", "32")
@@ -99,33 +99,6 @@ def router(tmp: Path, *args: str) -> Iterator[ServerProcess]:
         yield server
     finally:
         stop(server)
-
-
-def metric_total(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus series over the label sets that match `labels`."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def successes(engine: ServerProcess) -> float:
-    return metric_total(engine.url, "vllm:request_success_total")
-
-
-def wait_until(predicate, message: str, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 def client(server: ServerProcess, key: str = "none") -> openai.OpenAI:

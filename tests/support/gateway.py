@@ -16,11 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import openai
 
 from support.envoy import EnvoyProcess, FailureMode, GatewaySpec, run_envoy
 from support.server import ServerProcess, free_port, p2p_config, wait_healthy
+from support.scrape import wait_until
 
 MODEL = "tiny"  # the served model name every engine and the EPP use
 ENGINE_ARGS = ("--max-model-len", "512", "--num-kv-blocks", "160", "--max-num-seqs", "16")
@@ -179,33 +179,6 @@ def chat(url: str, content: str, max_tokens: int, stream: bool = False) -> str:
     chunks = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
                                                  temperature=0, stream=True)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-
-
-def metric_total(url: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus series over the label sets that match `labels`."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        series, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def successes(engine: ServerProcess) -> float:
-    return metric_total(engine.url, "vllm:request_success_total")
-
-
-def wait_until(predicate, message: str, timeout: float = 30.0, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(interval)
 
 
 def host_of(server: ServerProcess) -> str:
