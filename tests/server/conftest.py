@@ -18,10 +18,12 @@ from support.server import run_server
 #   float32         echo logprobs are compared with transformers in float32, and greedy structured
 #                   and tool-calling answers then do not depend on whether the CPU has native bf16;
 #   max-model-len   tool calling's prompts (tool schemas in the system turn) need 2048;
-#   16-token steps  echo/prompt logprobs must hold across prompts computed in several chunks;
+#   64-token steps  echo/prompt logprobs must hold across prompts computed in several chunks (their
+#                   prompts are longer than 64 tokens); at 16, 20 concurrent requests could not even
+#                   all decode in one step and tool prompts took ~30 steps to prefill;
 #   512 MiB of KV   ~11k tokens, far more than these modules ever hold at once; the 4 GiB default
 #                   cost ~14 s of start-up just to allocate.
-SMOLLM2_F32_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "16",
+SMOLLM2_F32_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-batched-tokens", "64",
                     "--kv-cache-memory-bytes", str(512 << 20))
 
 

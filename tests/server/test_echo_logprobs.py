@@ -11,7 +11,11 @@ from pdserve.engine.demo import resolve_model
 
 
 TOL = 1e-3
-CONTEXT = "Question: What is the capital of France?\nAnswer:"
+# Longer than the shared server's 64-token step budget, so every prompt is computed in chunks.
+CONTEXT = ("The following is a question from a geography quiz for school children. Each question names a "
+           "country in Europe and asks for its capital city; the answer is a single city name, spelled as "
+           "it is in English, with no further explanation. The children write their answers on paper and the "
+           "teacher marks them at the end of the lesson.\nQuestion: What is the capital of France?\nAnswer:")
 CONTINUATIONS = [" Paris", " The capital of France is Berlin"]
 
 
@@ -22,8 +26,8 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def server(smollm2_f32_server):
-    # Shared (tests/server/conftest.py): float32, as transformers runs it below, and a 16-token step
-    # budget, so prompts run in chunks.
+    # Shared (tests/server/conftest.py): float32, as transformers runs it below, and a 64-token step
+    # budget that CONTEXT exceeds, so prompts run in chunks.
     return smollm2_f32_server
 
 
