@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from support.hf_reference import hf_greedy, load_hf_model
-from support.kvstore import StoreProcess, free_port_pair, kvstore_cmd, start_store, stop as stop_store
+from support.kvstore import (StoreProcess, free_port_pair, kvstore_cmd, start_store, stop as stop_store,
+                             wait_ports_bindable)
 from support.server import ServerProcess, run_server
 
 PROMPT_TOKENS = 256  # 16 full blocks of 16 tokens
@@ -133,6 +134,7 @@ def test_a_killed_store_costs_nothing_and_saves_resume_when_it_is_back(engine, m
         store.proc.wait()
         check_prefills_while_down(engine, model, hf_model, range(20, 23))
         # ... and comes back, empty: saves reach it again on their own.
+        wait_ports_bindable(store_port)
         store = start_store(kvstore_cmd(store_port), store_port, log_path)
         assert stored_entries(store) == 0
         wait_for_saves(engine, model, store, first_seed=30)

@@ -55,6 +55,24 @@ class StoreProcess:
                 for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def wait_ports_bindable(port: int, count: int = 2, timeout: float = 30.0) -> None:
+    """Before a restart on the same ports: a killed store's ports come from the ephemeral range, so
+    an outgoing connection (an engine retrying the dead store) may hold one as its local port for a
+    moment; binding then fails with EADDRINUSE. Wait until every port binds as a server's would."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for p in range(port, port + count):
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("127.0.0.1", p))
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def start_store(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> StoreProcess:
     """`env`: the process's whole environment (default: this one's, so it holds the session key)."""
     with open(log_path, "a") as log:
