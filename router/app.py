@@ -31,6 +31,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pd import FlowSettings, PDFlow, RoutedRequest
 from pdserve.router.local_tokenizer import LocalTokenizer
 from pdserve.router.prefix import estimate_tokens
+from pdserve.router.background import restarting_task
 
 log = logging.getLogger("pdserve.router")
 
@@ -129,18 +130,7 @@ class Router:
 
     def _spawn(self, run: Callable[[], Awaitable[None]], what: str) -> None:
         """Run a background loop for the router's lifetime, restarting it if it crashes."""
-        async def guarded() -> None:
-            while True:
-                try:
-                    await run()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("%s failed; restarting in 1 s", what)
-                    await asyncio.sleep(1.0)
-
-        self._tasks.append(asyncio.ensure_future(guarded()))
+        self._tasks.append(restarting_task(run, what, log))
 
     async def _watch_feed(self) -> None:
         while True:

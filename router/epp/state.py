@@ -25,6 +25,7 @@ from pdserve.router.epp.metrics import EppMetrics
 from pdserve.router.epp.settings import EppSettings
 from pdserve.router.feed import FeedState, FeedSubscriber
 from pdserve.router.picking import FeedPicker, HasBlockHashes
+from pdserve.router.background import restarting_task
 
 log = logging.getLogger("pdserve.epp")
 
@@ -79,18 +80,7 @@ class PoolState:
 
     def _spawn(self, run: Callable[[], Awaitable[None]], what: str) -> None:
         """A background loop for the picker's lifetime, restarted if it crashes."""
-        async def guarded() -> None:
-            while True:
-                try:
-                    await run()
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("%s failed; restarting in 1 s", what)
-                    await asyncio.sleep(1.0)
-
-        self._tasks.append(asyncio.ensure_future(guarded()))
+        self._tasks.append(restarting_task(run, what, log))
 
     async def stop(self) -> None:
         for task in self._tasks:
