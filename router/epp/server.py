@@ -32,9 +32,12 @@ log = logging.getLogger("pdserve.epp")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ALWAYS_SERVING = ("", "liveness")
 READY_SERVICES = ("readiness", EXT_PROC_SERVICE)
-# gRPC messages over the body limit are refused by gRPC itself, before the picker could answer
-# 413: leave room for the largest body the picker accepts plus the message's other fields.
-MESSAGE_HEADROOM = 1 << 20
+# gRPC refuses a message over its limit itself (the gateway then answers 503, not 413). The
+# picker's own limit is checked on the body it collects, so gRPC's must not be the tighter one:
+# room for the largest body the picker accepts, plus the size of the chunk a gateway may send in
+# one message (bounded by its own buffer, Envoy's default 1 MiB; 16 MiB leaves room for larger
+# settings), plus the message's other fields.
+MESSAGE_HEADROOM = 17 << 20
 
 
 def http_app(state: PoolState, metrics: EppMetrics, model: str) -> FastAPI:

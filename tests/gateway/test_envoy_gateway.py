@@ -25,6 +25,7 @@ from support.scrape import metric_total, successes, wait_until
 from support.server import ServerProcess
 
 LONG_PROMPT = " ".join(f"word{i % 37}" for i in range(120))  # well over --pd-min-prompt-tokens 64
+EPP_BODY_LIMIT = 1 << 20  # the single EPP's --max-body-bytes (Envoy's own buffer limit is 4 MiB)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,10 @@ class Stack:
     pool: list[ServerProcess]  # the decode engines: the InferencePool
     single: EnvoyProcess  # Envoy + an EPP over the pool alone (no prefill pool)
     pd: EnvoyProcess  # Envoy + an EPP that runs the prefill leg for prompts of 64 tokens or more
+    # The same two EPPs behind Envoys in the other body mode: the ones above stream the body to
+    # the picker (FULL_DUPLEX_STREAMED), these buffer it first (BUFFERED).
+    single_buffered: EnvoyProcess
+    pd_buffered: EnvoyProcess
 
 
 @pytest.fixture(scope="module")
@@ -53,26 +58,30 @@ def stack(model, tmp) -> Iterator[Stack]:
     try:
         launched += launch_engines(model, tmp, ["prefill", "decode", "decode"])
         prefill, pool = launched[0], launched[1:]
-        single_epp = launch_epp(tmp, pool)
+        single_epp = launch_epp(tmp, pool, "--max-body-bytes", str(EPP_BODY_LIMIT))
         launched.append(single_epp.server)
         pd_epp = launch_epp(tmp, pool, "--tokenizer", model, "--pd-min-prompt-tokens", "64", prefill=[prefill])
         launched.append(pd_epp.server)
         wait_all(*launched)
-        with gateway(tmp, single_epp, pool) as single, gateway(tmp, pd_epp, pool) as pd:
-            yield Stack(prefill, pool, single, pd)
+        with (gateway(tmp, single_epp, pool) as single, gateway(tmp, pd_epp, pool) as pd,
+              gateway(tmp, single_epp, pool, body_mode="BUFFERED") as single_buffered,
+              gateway(tmp, pd_epp, pool, body_mode="BUFFERED") as pd_buffered):
+            yield Stack(prefill, pool, single, pd, single_buffered, pd_buffered)
     finally:
         stop(*launched)
 
 
-def test_the_bootstrap_validates_in_both_failure_modes(tmp):
+def test_the_bootstrap_validates_in_both_failure_and_body_modes(tmp):
     for mode in ("FailOpen", "FailClose"):
-        spec = GatewaySpec(listener_port=1, admin_port=2, epp="127.0.0.1:3",
-                           pool=("http://127.0.0.1:4", "127.0.0.1:5"), failure_mode=mode)
-        validate(render_bootstrap(spec), tmp)
+        for body_mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+            spec = GatewaySpec(listener_port=1, admin_port=2, epp="127.0.0.1:3",
+                               pool=("http://127.0.0.1:4", "127.0.0.1:5"), failure_mode=mode, body_mode=body_mode)
+            validate(render_bootstrap(spec), tmp)
 
 
-def test_openai_sdk_through_envoy_equals_one_engine(stack):
-    single, pool = stack.single, stack.pool
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+def test_openai_sdk_through_envoy_equals_one_engine(stack, mode):
+    single, pool = stack.single if mode == "duplex" else stack.single_buffered, stack.pool
     engine = pool[0].url
     prompt = "Once upon a time"
     direct = complete(engine, prompt, 10).choices[0].text
@@ -103,18 +112,28 @@ def test_a_stream_reaches_the_client_while_the_engine_still_generates(stack):
     wait_until(lambda: running() == 0, "the stream's end")
 
 
-def test_the_epps_own_answers_reach_the_client(stack):
-    single = stack.single
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+def test_the_epps_own_answers_reach_the_client(stack, mode):
+    single = stack.single if mode == "duplex" else stack.single_buffered
     bad_json = httpx.post(f"{single.base_url}/completions", content=b"{nope", timeout=30,
                           headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         openai.OpenAI(base_url=single.base_url, api_key="none", max_retries=0).completions.create(
             model="gpt-unknown", prompt="hi", max_tokens=1)
-    # Envoy buffers bodies for the EPP only up to its limit (4 MiB): past it, 413 before the EPP.
+    # Streamed to the picker, a body past its limit gets the picker's OpenAI-format 413 once the
+    # chunks pass it; buffered, Envoy's own limit (4 MiB) answers 413 before the picker sees it.
+    size = 2 * EPP_BODY_LIMIT if mode == "duplex" else 5 << 20
     huge = httpx.post(f"{single.base_url}/completions", timeout=30,
-                      json={"model": MODEL, "prompt": "x" * (5 << 20), "max_tokens": 1})
+                      json={"model": MODEL, "prompt": "x" * size, "max_tokens": 1})
     assert huge.status_code == 413
+    if mode == "duplex":
+        assert huge.json()["error"]["code"] == "request_too_large"
+    # A body within both limits but far over the engine's context still reaches the engine,
+    # whose 400 the client gets: the picker sent the whole body on.
+    long = httpx.post(f"{single.base_url}/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "x " * 100_000, "max_tokens": 1})
+    assert long.status_code == 400 and "context" in long.json()["error"]["message"].lower()
 
 
 def test_a_client_cannot_choose_the_upstream_nor_bring_kv_transfer_params(stack):
@@ -138,13 +157,17 @@ def test_a_client_cannot_choose_the_upstream_nor_bring_kv_transfer_params(stack)
         assert target.address not in entry["upstream"]
 
 
-def test_pd_through_envoy_prefills_on_the_prefill_engine_and_pulls_the_kv(stack):
-    pd, pool, prefill = stack.pd, stack.pool, stack.prefill
+@pytest.mark.parametrize("mode", ["duplex", "buffered"])
+def test_pd_through_envoy_prefills_on_the_prefill_engine_and_pulls_the_kv(stack, mode):
+    pool, prefill = stack.pool, stack.prefill
+    pd = stack.pd if mode == "duplex" else stack.pd_buffered
+    # A prompt of its own per mode: the decode engines must not have it cached from the other run.
+    prompt = LONG_PROMPT if mode == "duplex" else LONG_PROMPT.replace("word", "term")
     # The reference is the prefill engine's own answer: the decode engines must not see the prompt
     # before the P/D request, or their prefix cache would hide whether the KV came over the wire.
-    expected = complete(prefill.url, LONG_PROMPT, 6)
+    expected = complete(prefill.url, prompt, 6)
     before = metric_total(prefill.url, "vllm:request_success_total", finished_reason="length")
-    via = complete(pd.url, LONG_PROMPT, 6)
+    via = complete(pd.url, prompt, 6)
     assert via.choices[0].text == expected.choices[0].text
     # The prefill leg ran on the prefill engine (max_tokens=1: it stops for length)...
     wait_until(lambda: metric_total(prefill.url, "vllm:request_success_total", finished_reason="length")

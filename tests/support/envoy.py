@@ -37,6 +37,10 @@ from urllib.parse import urlsplit
 import httpx
 
 FailureMode = Literal["FailOpen", "FailClose"]
+# How Envoy hands the request body to the picker. FULL_DUPLEX_STREAMED (the GIE reference
+# gateways' mode) sends headers and body without waiting for answers: one round trip to the
+# picker per request instead of two. BUFFERED waits for the headers' answer, then sends the body.
+BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 
 DESTINATION_KEY = "x-gateway-destination-endpoint"  # the EPP protocol's header and metadata key
 LB_NAMESPACE = "envoy.lb"  # the dynamic metadata namespace the EPP writes its pick into
@@ -65,16 +69,21 @@ class GatewaySpec:
     epp: str  # host:port of the EPP's gRPC server
     pool: tuple[str, ...]  # the InferencePool's endpoints, host:port or http://host:port
     failure_mode: FailureMode = "FailClose"
+    body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
     # The EPP answers after the body arrived; in P/D it runs the prefill leg inside that answer.
     message_timeout_s: float = 30.0
-    # Envoy buffers the whole request for the EPP (request_body_mode BUFFERED): this bounds it; a
-    # larger request gets 413 from Envoy before the EPP sees a byte of it.
+    # BUFFERED: Envoy buffers the whole request for the EPP, and this bounds it (a larger request
+    # gets 413 from Envoy before the EPP sees a byte of it). Duplex: Envoy's flow-control window
+    # per connection; the EPP's own --max-body-bytes answers 413.
     max_request_bytes: int = 4 << 20
     retries: int = 2
     listener_host: str = "127.0.0.1"
     # One JSON line per request: which upstream served it and what the EPP had picked (tests and
     # benchmarks read it to see the pick steer Envoy). None: no access log.
     access_log: str | None = None
+    # False: no ext_proc filter at all, the pool round robin (the benchmark's measure of what Envoy
+    # alone adds).
+    ext_proc: bool = True
 
 
 def _typed(name: str, type_name: str, **config) -> dict:
@@ -111,8 +120,10 @@ def _epp_cluster(spec: GatewaySpec) -> dict:
 def _ext_proc_filter(spec: GatewaySpec) -> dict:
     config: dict = {
         "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                            "request_trailer_mode": "SKIP", "response_header_mode": "SKIP",
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": spec.body_mode,
+                            # Duplex: trailers (if a client sends any) end the body for the picker.
+                            "request_trailer_mode": "SEND" if spec.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+                            "response_header_mode": "SKIP",
                             "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
         "message_timeout": f"{spec.message_timeout_s}s",
         "allow_mode_override": False,  # the EPP cannot ask for more of the traffic than this
@@ -153,7 +164,7 @@ def _listener(spec: GatewaySpec) -> dict:
                  access_log=[_access_log(spec.access_log)] if spec.access_log else [],
                  route_config={"name": "inference", "virtual_hosts": [
                      {"name": "pool", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
-                 http_filters=[_ext_proc_filter(spec),
+                 http_filters=[*([_ext_proc_filter(spec)] if spec.ext_proc else []),
                                _typed("envoy.filters.http.router",
                                       "envoy.extensions.filters.http.router.v3.Router")])
     return {"name": "gateway",

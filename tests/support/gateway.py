@@ -18,7 +18,7 @@ from typing import Iterator
 
 import openai
 
-from support.envoy import EnvoyProcess, FailureMode, GatewaySpec, run_envoy
+from support.envoy import BodyMode, EnvoyProcess, FailureMode, GatewaySpec, run_envoy
 from support.server import ServerProcess, free_port, p2p_config, wait_healthy
 from support.scrape import wait_until
 
@@ -143,12 +143,12 @@ def run_epp(tmp: Path, pool: list[ServerProcess], *args: str, prefill: list[Serv
 
 
 @contextmanager
-def gateway(tmp: Path, epp: EppProcess, pool: list[ServerProcess], failure_mode: FailureMode = "FailClose"
-            ) -> Iterator[EnvoyProcess]:
+def gateway(tmp: Path, epp: EppProcess, pool: list[ServerProcess], failure_mode: FailureMode = "FailClose",
+            body_mode: BodyMode = "FULL_DUPLEX_STREAMED") -> Iterator[EnvoyProcess]:
     """Envoy in front of `pool`, its ext_proc filter pointed at `epp`, with an access log."""
     listener = free_port()
     spec = GatewaySpec(listener_port=listener, admin_port=free_port(), epp=epp.address,
-                       pool=tuple(e.url for e in pool), failure_mode=failure_mode,
+                       pool=tuple(e.url for e in pool), failure_mode=failure_mode, body_mode=body_mode,
                        access_log=str(tmp / f"access-{listener}.log"))
     with run_envoy(spec, tmp) as envoy:
         yield envoy
