@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import fused
 from pdserve.engine.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -63,8 +63,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.engine.model import fused
+
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
     """Return (inv_freq [head_dim/2], attention scaling applied to cos and sin)."""
@@ -71,15 +73,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        half = self.rotary_dim // 2
-        x32 = rot.float()
-        rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-        out = (x32 * cos + rotated * sin).to(x.dtype)
-        return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+        """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions (in place
+        where a fused kernel runs; see fused.rotate_qk)."""
+        return fused.rotate_qk(positions, q, k, self.cos, self.sin, self.rotary_dim)

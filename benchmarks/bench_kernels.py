@@ -1,0 +1,149 @@
+"""The fused elementwise ops of a decoder layer against the eager PyTorch they replace.
+
+Per op (RMSNorm with the residual add, SiLU·mul, rotary of q and k), at the shapes of SmolLM2-135M
+(hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536) and of the ~100M benchmark Llama of
+bench_offline (hidden 768, 12 / 4 heads of 64, intermediate 2048), for 1 to 512 tokens, float32
+and bfloat16: microseconds per call of the reference expression (fused.*_reference) and of the
+kernel the engine picks on this machine, and their ratio. Then the whole effect: decode steps of
+the benchmark model through `LLM.generate` at batch 1 and 16, model forward time per step with
+the reference ops and with the fused ones (fused.use_reference toggles them in one process).
+
+Timings alternate the two paths round by round in one process and report medians, so a noisy
+neighbour slows both alike; the ratio (eager / fused, above 1 = fused faster) is the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.report import write_report
+from pdserve.engine.model import fused
+from pdserve.engine.model.rotary import RotaryEmbedding
+
+SHAPES = {  # name -> (hidden, heads, kv_heads, head_dim, intermediate)
+    "smollm2": (576, 9, 3, 64, 1536),
+    "bench-100m": (768, 12, 4, 64, 2048),
+}
+
+
+def _time_pair(eager, fast, rounds: int, min_s: float) -> tuple[float, float]:
+    """Median microseconds per call of each, alternating rounds of enough calls to last min_s."""
+    eager()
+    fast()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_s:
+        eager()
+        calls += 1
+    per_round = max(3, calls)
+    samples: dict[str, list[float]] = {"eager": [], "fused": []}
+    for _ in range(rounds):
+        for name, fn in (("eager", eager), ("fused", fast)):
+            began = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            samples[name].append((time.perf_counter() - began) / per_round * 1e6)
+    return statistics.median(samples["eager"]), statistics.median(samples["fused"])
+
+
+def op_cases(shape: tuple[int, int, int, int, int], tokens: int, dtype: torch.dtype):
+    """(op name, eager call, fused call) on fresh inputs of one shape."""
+    hidden, heads, kv_heads, head_dim, inter = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter, generator=gen).to(dtype)
+    rotary = RotaryEmbedding(head_dim, 2048, {"rope_theta": 10000.0}, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    # The fused RMSNorm and rotary work in place: repeating them on the same buffers only keeps
+    # rescaling values, which costs the same.
+    return [
+        ("add_rms_norm", lambda: fused.rms_norm_reference(x, residual, weight, 1e-5),
+         lambda: fused.rms_norm(x, residual, weight, 1e-5)),
+        ("silu_mul", lambda: fused.silu_mul_reference(gate_up), lambda: fused.silu_mul(gate_up)),
+        ("rotary_qk", lambda: fused.rotate_qk_reference(positions, q, k, rotary.cos, rotary.sin, rotary.rotary_dim),
+         lambda: fused.rotate_qk(positions, q, k, rotary.cos, rotary.sin, rotary.rotary_dim)),
+    ]
+
+
+def run_ops(dtypes: list[torch.dtype], token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
+    rows = []
+    for shape_name, shape in SHAPES.items():
+        for dtype in dtypes:
+            for tokens in token_counts:
+                for op, eager, fast in op_cases(shape, tokens, dtype):
+                    eager_us, fused_us = _time_pair(eager, fast, rounds, min_s)
+                    rows.append({"op": op, "shape": shape_name, "dtype": str(dtype).removeprefix("torch."),
+                                 "tokens": tokens, "eager_us": eager_us, "fused_us": fused_us,
+                                 "speedup": eager_us / fused_us})
+    return rows
+
+
+def run_steps(dtype: str, batches: list[int], rounds: int, output_len: int) -> list[dict]:
+    """Model forward ms per decode step, reference ops vs fused, alternating whole generate calls."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_offline import model_dir
+
+    from pdserve.engine import LLM, SamplingParams
+
+    llm = LLM(model_dir(), dtype=dtype, max_num_seqs=max(batches), enable_prefix_caching=False)
+    core = llm.engine.client.engine_core
+    rows = []
+    try:
+        for batch in batches:
+            prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 30000 + 3 for j in range(64)]} for i in range(batch)]
+            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            samples: dict[str, list[float]] = {"eager": [], "fused": []}
+            tokens: dict[str, list[list[int]]] = {}
+            for r in range(rounds + 1):  # round 0 warms both paths up and is not counted
+                for mode in ("eager", "fused"):
+                    fused.use_reference(mode == "eager")
+                    core.record_steps()
+                    outputs = llm.generate(prompts, params, use_tqdm=False)
+                    tokens[mode] = [list(o.outputs[0].token_ids) for o in outputs]
+                    steps = [rec.timing for rec in core.step_records
+                             if rec.timing is not None and rec.timing.num_decodes == rec.timing.num_reqs == batch]
+                    if r and steps:
+                        samples[mode].append(statistics.median(t.forward_s for t in steps) * 1e3)
+            fused.use_reference(False)
+            eager_ms, fused_ms = statistics.median(samples["eager"]), statistics.median(samples["fused"])
+            rows.append({"op": "decode_step_forward", "shape": "bench-100m", "dtype": dtype, "tokens": batch,
+                         "eager_us": eager_ms * 1e3, "fused_us": fused_ms * 1e3, "speedup": eager_ms / fused_ms,
+                         "same_tokens": tokens["eager"] == tokens["fused"]})
+    finally:
+        fused.use_reference(False)
+        llm.shutdown()
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and rounds, for a smoke run")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes of the per-op rows")
+    parser.add_argument("--no-steps", action="store_true", help="skip the whole decode step rows")
+    parser.add_argument("--no-ops", action="store_true", help="skip the per-op rows")
+    parser.add_argument("--step-dtype", default="float32", help="dtype of the decode step rows")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    token_counts = [1, 16, 512] if args.quick else [1, 16, 64, 512]
+    rounds = 3 if args.quick else 7
+    rows = [] if args.no_ops else run_ops(dtypes, token_counts, rounds, min_s=0.005 if args.quick else 0.02)
+    if not args.no_steps:
+        rows += run_steps(args.step_dtype, [1, 16], rounds=2 if args.quick else 4, output_len=16 if args.quick else 48)
+    write_report("kernels", rows, title="fused layer ops: eager vs fused (us per call; speedup = eager / fused)",
+                 meta={"kernels_loaded": fused.cpu_kernels_ready(), "threads": torch.get_num_threads(),
+                       "rounds": rounds, "quick": args.quick})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
