@@ -9,7 +9,10 @@ greedy with ignore_eos so every system produces exactly the requested lengths. M
   output; only requested tokens count as useful).
 - transformers continuous batching (its manager, with each request's own max_new_tokens).
 Also reported: where an engine step's time goes, and the roofline of a decode step at the batch
-size pdserve achieved, from bandwidth and matmul rates measured in this run. Then the same
+size pdserve achieved, from bandwidth and matmul rates measured in this run; and a profile of
+single step kinds (a 512-token prefill, decode batches of 1, 16 and 64 at 256 tokens of context)
+with torch's profiler: ms per step, the share of matmul, attention, KV write, norm, rotary,
+activation, sampler and Python, and each kind's roofline fraction (pdserve.bench.step_profile). Then the same
 workload on the real model SmolLM2-135M-Instruct (`smollm2`), with its start-up times.
 """
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.bench import step_profile
 from pdserve.bench.report import write_report
 from pdserve.engine.demo import build_random_model, cache_root
 
@@ -212,6 +216,36 @@ def decode_roofline(dtype: torch.dtype, batch: float, context: float, bandwidth:
             "bytes_per_step": bytes_read, "flops_per_step": flops}
 
 
+# -- step profile ---------------------------------------------------------------------------------
+
+PROFILE_KV_BLOCKS = 1600  # room for the largest kind (64 requests of ~270 tokens in blocks of 16)
+
+
+def run_profile(model: str, dtype: str, bandwidth: float, flops_rate: float, quick: bool) -> list[dict]:
+    """Rows of step_profile's table for `model` (a path or a name pdserve resolves)."""
+    from pdserve.engine import LLM
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=256, enable_prefix_caching=False, num_kv_blocks=PROFILE_KV_BLOCKS)
+    runner = llm.engine.client.engine_core.executor.worker.runner
+    kinds = step_profile.DEFAULT_KINDS
+    if quick:
+        kinds = tuple(k for k in kinds if k.name in ("prefill 512", "decode b16"))
+    profiles = step_profile.profile_step_kinds(runner, kinds, PROFILE_KV_BLOCKS, repeats=2 if quick else 5,
+                                               profiled=1 if quick else 3)
+    llm.shutdown()
+    return step_profile.report_rows(profiles, bandwidth, flops_rate, dtype=dtype)
+
+
+PROFILE_META = {
+    "how": "the model runner driven directly, one step kind at a time; ms_per_step is the fastest unprofiled "
+           "step, the shares come from the fastest profiled one (module hooks label matmul/norm/rotary/embed, "
+           "the runner's attention/KV-write/sampler calls are labelled too); python is the step's wall time "
+           "outside every op, profiler overhead included",
+    "ipc": "not in this process: LLM runs the engine core in-process (pdserve serve adds the front end's "
+           "ZMQ hop per step)",
+}
+
+
 # -- main -------------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> None:
@@ -224,6 +258,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-smollm2", action="store_true", help="skip the real-model (SmolLM2) rows")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the per-step-kind profile (torch profiler on single steps)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     if args.quick:
@@ -234,7 +270,7 @@ def main(argv: list[str]) -> None:
     log(f"workload: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
         f"{wl.useful_tokens} output tokens; model {path}")
     bandwidth = measure_read_bandwidth()
-    throughput_rows, step_rows, roofline_rows = [], [], []
+    throughput_rows, step_rows, roofline_rows, profile_rows = [], [], [], []
     for dtype in args.dtypes.split(","):
         log(f"\n--- {dtype} ---")
         ours = run_pdserve(path, dtype, wl)
@@ -267,17 +303,22 @@ def main(argv: list[str]) -> None:
             "roofline_tok_s": roof["roofline_tok_s"], "achieved_tok_s": ours["decode_tok_s"],
             "fraction": ours["decode_tok_s"] / roof["roofline_tok_s"],
         })
+        if not args.no_profile:
+            profile_rows += run_profile(path, dtype, bandwidth, rate, args.quick)
     meta = {"model": MODEL_SPEC, "requests": len(wl.prompts), "prompt_tokens": sum(map(len, wl.prompts)),
             "output_tokens": wl.useful_tokens, "threads": torch.get_num_threads(), "hf_batch_size": args.hf_batch_size,
             "quick": args.quick}
     write_report("offline", throughput_rows, title="Offline throughput (useful output tokens/s)", meta=meta)
     write_report("offline_steps", step_rows, title="pdserve engine steps: time outside the model forward", meta=meta)
     write_report("offline_roofline", roofline_rows, title="Decode step roofline at pdserve's achieved batch", meta=meta)
+    if profile_rows:
+        write_report("offline_profile", profile_rows, title="pdserve step kinds: ms per step, % of it per category, "
+                     "roofline fraction", meta={**meta, **PROFILE_META})
     if not args.no_smollm2:
-        run_smollm2(args, wl)
+        run_smollm2(args, wl, bandwidth)
 
 
-def run_smollm2(args: argparse.Namespace, wl: Workload) -> None:
+def run_smollm2(args: argparse.Namespace, wl: Workload, bandwidth: float) -> None:
     """The same workload on the real model, SmolLM2-135M-Instruct: 30 thin layers (hidden 576), so
     the per-layer cost outside the matmuls weighs more than in the 12-layer bench model.
 
@@ -316,6 +357,10 @@ def run_smollm2(args: argparse.Namespace, wl: Workload) -> None:
             "prompt_tokens": sum(map(len, wl.prompts)), "output_tokens": wl.useful_tokens,
             "threads": torch.get_num_threads(), "gguf_convert_s": convert_s, "quick": args.quick}
     write_report("offline_smollm2", rows, title="Offline throughput on SmolLM2-135M (useful output tokens/s)", meta=meta)
+    if not args.no_profile:
+        profile_rows = run_profile("smollm2", "float32", bandwidth, measure_matmul_rate(torch.float32), args.quick)
+        write_report("offline_profile_smollm2", profile_rows, title="SmolLM2-135M step kinds (float32): ms per step, "
+                     "% of it per category, roofline fraction", meta={**meta, **PROFILE_META})
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The runner keeps each request's tokens and blocks between steps, so the scheduler sends only
 what changed. Within a step, requests with a single query token (decodes) come first: the
-attention backends batch them together.
+attention backends batch them together. A step's inputs are written into arrays allocated once
+(step_inputs.StepInputs), and an all-greedy batch samples with a bare argmax.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_output.bitmask import GrammarMask
 from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs, plan_job
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
+from pdserve.engine.worker.step_inputs import StepInputs
 from pdserve.engine.distributed import tp_rank
 from pdserve.kvstore.base import KVConnectorRole
 from pdserve.kvstore.factory import create_connector
@@ -46,6 +48,13 @@ class RequestState:
     # Prompt logprobs still to compute: not when the request comes back after a preemption with
     # tokens generated (its whole prompt ran before it sampled, so they were all sent then).
     prompt_logprobs_due: bool = False
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Whether sampling this request takes more than an argmax of its logits."""
+        p = self.params
+        return (not p.greedy or p.logprobs is not None or bool(p.logit_bias) or bool(self.min_tokens_banned)
+                or bool(p.presence_penalty) or bool(p.frequency_penalty) or p.repetition_penalty != 1.0)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -88,7 +97,11 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.connector: Any = None  # the KV connector's worker side, when one is configured
-        self.block_table = np.zeros((config.scheduler.max_num_seqs, self.max_blocks_per_req), dtype=np.int32)
+        sched = config.scheduler
+        self.inputs = StepInputs(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
+                                 self.max_blocks_per_req, device)
+        # The sampling function; an attribute so a profiler can wrap it (pdserve.bench.step_profile).
+        self.sample_fn = sample
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -159,62 +172,76 @@ class ModelRunner:
             return ModelRunnerOutput({})
         num_sched = so.num_scheduled_tokens
         order = sorted(num_sched, key=lambda r: num_sched[r] != 1)  # decodes first, stable otherwise
-        num_reqs = len(order)
-        query_lens = np.fromiter((num_sched[r] for r in order), dtype=np.int64, count=num_reqs)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        token_chunks: list[list[int]] = []
+        num_reqs, num_tokens = len(order), sum(num_sched.values())
+        buf = self.inputs
+        buf.reserve(num_tokens, num_reqs)
+        query_lens, starts, ids = buf.query_lens[:num_reqs], buf.starts[:num_reqs], buf.input_ids
         sampling_rows: list[int] = []
         prompt_lp_rows: list[int] = []  # batch rows of requests that want prompt logprobs
-        table = self.block_table
+        tok = 0  # where the next request's tokens go in input_ids
         for i, req_id in enumerate(order):
             state = self.requests[req_id]
-            start, n = state.num_computed_tokens, int(query_lens[i])
-            starts[i] = start
-            token_chunks.append(state.token_ids[start:start + n])
-            blocks = state.block_ids
-            table[i, :len(blocks)] = blocks
+            start, n = state.num_computed_tokens, num_sched[req_id]
+            query_lens[i], starts[i] = n, start
+            if n == 1:
+                ids[tok] = state.token_ids[start]
+            else:
+                ids[tok:tok + n] = state.token_ids[start:start + n]
+            tok += n
+            buf.set_blocks(i, state, state.block_ids)
             if start + n >= len(state.token_ids):
                 sampling_rows.append(i)
             if state.prompt_logprobs_due:
                 prompt_lp_rows.append(i)
             state.num_computed_tokens = start + n
 
-        num_tokens = int(query_lens.sum())
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        cu = buf.cu[:num_reqs + 1]
         np.cumsum(query_lens, out=cu[1:])
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
-        slots = table[req_of_token, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
-        seq_lens = (starts + query_lens).astype(np.int32)
+        positions, slots = buf.positions[:num_tokens], buf.slots[:num_tokens]
+        table, bs = buf.block_table, self.block_size
+        if num_tokens == num_reqs:  # decodes only: one token per request, at its context length
+            positions[:] = starts
+            rows = buf.arange[:num_reqs]
+        else:
+            rows = np.repeat(buf.arange[:num_reqs], query_lens)
+            np.subtract(buf.arange[:num_tokens], np.repeat(cu[:-1] - starts, query_lens), out=positions)
+        np.multiply(table[rows, positions // bs], bs, out=slots)
+        slots += positions % bs
+        seq_lens = buf.seq_lens[:num_reqs]
+        np.add(starts, query_lens, out=seq_lens, casting="unsafe")
+        qsl = buf.query_start_loc[:num_reqs + 1]
+        qsl[:] = cu
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        block_tables_np = table[:num_reqs, :max_blocks]
-        input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=num_tokens)
+        max_seq_len = int(seq_lens.max())
+        max_blocks = cdiv(max_seq_len, bs)
 
-        dev = self.device
         meta = AttentionMetadata(
             num_reqs=num_reqs, num_decodes=num_decodes, num_tokens=num_tokens,
-            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()), block_size=self.block_size,
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables_np)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=block_tables_np,
+            max_query_len=int(query_lens.max()), max_seq_len=max_seq_len, block_size=bs,
+            query_start_loc=buf.to_device(buf.query_start_loc_t, num_reqs + 1, "query_start_loc"),
+            seq_lens=buf.to_device(buf.seq_lens_t, num_reqs, "seq_lens"),
+            block_tables=buf.block_tables(num_reqs, max_blocks),
+            slot_mapping=buf.to_device(buf.slots_t, num_tokens, "slots"),
+            query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=table[:num_reqs, :max_blocks],
         )
         meta.backend_plan = self.backend.plan(meta)
         timing = StepTiming(num_reqs=num_reqs, num_tokens=num_tokens, num_decodes=num_decodes,
                             decode_context_tokens=int(seq_lens[:num_decodes].sum()))
         prepared = time.perf_counter()
         timing.prepare_s = prepared - step_start
-        hidden = self.model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev),  # type: ignore[misc]
+        hidden = self.model(buf.to_device(buf.input_ids_t, num_tokens, "input_ids"),  # type: ignore[misc]
+                            buf.to_device(buf.positions_t, num_tokens, "positions"),
                             self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
         prompt_logprobs = self._prompt_logprobs(hidden, [order[i] for i in prompt_lp_rows], starts[prompt_lp_rows],
                                                 query_lens[prompt_lp_rows], cu[prompt_lp_rows]) if prompt_lp_rows else {}
         if not sampling_rows:
             timing.forward_s = self._synchronized_time() - prepared
             return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, timing=timing)
-        last_token = torch.from_numpy(cu[1:][sampling_rows] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last_token])  # type: ignore[union-attr]
+        if len(sampling_rows) == num_tokens:  # every token is its request's last (a decode batch)
+            last_hidden = hidden
+        else:
+            last_hidden = hidden[torch.from_numpy(cu[1:][sampling_rows] - 1).to(self.device)]
+        logits = self.model.compute_logits(last_hidden)  # type: ignore[union-attr]
         forwarded = self._synchronized_time()
         timing.forward_s = forwarded - prepared
         states = [self.requests[order[i]] for i in sampling_rows]
@@ -222,7 +249,7 @@ class ModelRunner:
         if so.grammar_bitmask is not None:  # structured outputs: the sampler masks the whole batch at once
             md.grammar_mask = GrammarMask.for_rows(so.grammar_bitmask, so.structured_output_request_ids,
                                                    [s.req_id for s in states])
-        output = self._record(states, sample(logits, md))
+        output = self._record(states, self.sample_fn(logits, md))
         timing.sample_s = time.perf_counter() - forwarded
         output.timing = timing
         output.prompt_logprobs = prompt_logprobs
@@ -252,6 +279,8 @@ class ModelRunner:
         return time.perf_counter()
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        if not any(s.needs_sampler for s in states):
+            return SamplingMetadata(all_greedy=True)  # argmax only: no tensors to build
         dev = self.device
         params = [s.params for s in states]
         greedy = [p.greedy for p in params]
