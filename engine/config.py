@@ -27,7 +27,8 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: the checkpoint's; on CPU half types become bfloat16, or float32 without native bf16
+    dtype: str = "auto"  # auto: the checkpoint's; on CPU half types become bfloat16 only with AMX, else float32
+    quantization: str | None = None  # int8: linear weights stored as int8 with per-output-channel scales (CPU)
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16
@@ -64,6 +65,7 @@ class EngineArgs:
             model_path, dtype=self.dtype, device=resolve_device(self.device), max_model_len=self.max_model_len,
             tokenizer=resolve_model(self.tokenizer) if self.tokenizer else model_path,
             served_model_name=self.served_model_name or self.model, seed=self.seed, max_logprobs=self.max_logprobs,
+            quantization=self.quantization,
         )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -158,11 +160,13 @@ class ModelConfig:
     eos_token_ids: list[int]
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str | None = None  # None or "int8" (see engine/model/quant.py)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                         tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
-                        max_logprobs: int = 20) -> "ModelConfig":
+                        max_logprobs: int = 20, quantization: str | None = None) -> "ModelConfig":
+        quantization = check_quantization(quantization, device)
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json in model directory {path!r}")
@@ -204,7 +208,34 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(Path(path), cfg),
             seed=seed,
             max_logprobs=max_logprobs,
+            quantization=quantization,
         )
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization(quantization: str | None, device: str) -> str | None:
+    """The validated quantization method: None (or "none") for full-precision weights, or "int8"."""
+    if quantization in (None, "", "none"):
+        return None
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be none or one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if device != "cpu":
+        # The int8 kernels used (fbgemm, ATen's int8pack) are CPU ones; a GPU path is not built yet.
+        raise ValueError(f"quantization {quantization} runs on the CPU only; got device {device!r} "
+                         f"(use device cpu, or no quantization on the GPU)")
+    return quantization
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (Linux); empty where there is no such file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
 def cpu_has_native_bf16() -> bool:
@@ -219,19 +250,48 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons)."""
+    if "amx_bf16" in cpu_flags():
+        return True
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool) -> tuple[torch.dtype, str]:
+    """What `dtype auto` runs a checkpoint stored in `checkpoint` as on this CPU, and why.
+
+    The rule, from benchmarks/bench_precision.py and the measurements in issue 20: float32
+    checkpoints stay float32 (exact, and never slower than a half type). Half checkpoints run in
+    bfloat16 only where AMX does bf16 matmuls: there they are several times faster than float32.
+    AVX512-BF16 alone is not enough: on such a Xeon bf16 decoded 16 streams at 92 tok/s against
+    float32's 110, and without bf16 hardware (AVX2) bf16 is emulated, 3-7x slower. float16 never
+    runs fast on CPUs. Other architectures (ARM) have no cheap probe: bfloat16, as before.
+    """
+    if checkpoint == torch.float32:
+        return torch.float32, "float32 checkpoint"
+    if machine.lower() not in ("x86_64", "amd64"):
+        return torch.bfloat16, f"{machine} CPU: half checkpoints run in bfloat16"
+    if amx_bf16:
+        return torch.bfloat16, "this CPU has AMX, whose bfloat16 matmuls beat float32"
+    return torch.float32, "this CPU has no AMX, and float32 is faster here than bfloat16"
+
+
+_logged_dtype_choices: set[tuple[str, str]] = set()
+
+
 def _resolve_dtype(dtype: str, cfg: dict[str, Any], device: str) -> torch.dtype:
     if dtype == "auto":
         name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         resolved = _DTYPES.get(name, torch.float32)
         if device != "cpu" or resolved == torch.float32:
-            return resolved
-        # CPUs have no fast float16 kernels: bfloat16 keeps the range and runs on AMX/AVX512-BF16;
-        # without those, float32 is the fast choice (and exact), so "auto" takes it.
-        if cpu_has_native_bf16():
-            return torch.bfloat16
-        log.info("dtype auto: this CPU has no native bfloat16, so the %s checkpoint runs in float32 "
-                 "(pass dtype=bfloat16 to force it)", name)
-        return torch.float32
+            return resolved  # GPUs run the checkpoint's half type natively
+        chosen, why = auto_cpu_dtype(resolved, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())
+        key = (name, str(chosen))
+        if key not in _logged_dtype_choices:  # once per process, though configs are resolved several times
+            _logged_dtype_choices.add(key)
+            log.info("dtype auto: the %s checkpoint runs in %s (%s; pass dtype to force one)",
+                     name, str(chosen).removeprefix("torch."), why)
+        return chosen
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]

@@ -158,12 +158,14 @@ def make_backend(kv: KVTransferConfig, namespace: str, timeout_s: float | None =
 def block_namespace(config: Any) -> str:
     """The store namespace of an engine's blocks. The served name alone is not enough: a new
     checkpoint deployed under the same name must never load KV computed by the old weights, so
-    the weights' fingerprint is part of it."""
+    the weights' fingerprint is part of it, and so is a quantization (int8 weights compute other
+    keys and values than the float ones they were rounded from)."""
     from pdserve.engine.model.fingerprint import checkpoint_fingerprint
 
     mc = config.model
+    quantized = f"|q{mc.quantization}" if getattr(mc, "quantization", None) else ""
     return (f"{mc.served_model_name}|w{checkpoint_fingerprint(mc.path)}|{str(mc.dtype).removeprefix('torch.')}"
-            f"|bs{config.cache.block_size}|tp{config.parallel.tensor_parallel_size}")
+            f"{quantized}|bs{config.cache.block_size}|tp{config.parallel.tensor_parallel_size}")
 
 
 @dataclass

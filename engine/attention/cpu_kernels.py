@@ -20,7 +20,10 @@ import torch
 
 log = logging.getLogger("pdserve.engine.cpu_kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"]
+# One library for all our CPU ops (namespace torch.ops.pdserve_cpu): decode attention, the fused
+# elementwise ops of a layer and the int8 weight-only linear.
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp",
+                                                                "cpu_int8_linear.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -52,14 +55,17 @@ def _build(target: Path, verbose: bool) -> None:
     from torch.utils.cpp_extension import load as load_extension
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    # The name comes from the target, fixed before the compile: recomputed after it, a source
+    # edited meanwhile would name a library that was never built.
+    name = target.stem
     with tempfile.TemporaryDirectory(prefix="build-", dir=target.parent) as build_dir:
         # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread. torch's
         # wheel ships libgomp.so.1 under that soname, so linking -fopenmp reuses torch's runtime
         # (already loaded) instead of adding a second thread pool.
-        load_extension(name=_build_name(), sources=[str(s) for s in SOURCES], build_directory=build_dir,
+        load_extension(name=name, sources=[str(s) for s in SOURCES], build_directory=build_dir,
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=verbose)
-        os.replace(Path(build_dir) / f"{_build_name()}.so", target)
+        os.replace(Path(build_dir) / f"{name}.so", target)
 
 
 def load(verbose: bool = False) -> bool:
@@ -75,11 +81,11 @@ def load(verbose: bool = False) -> bool:
             if target.exists():
                 torch.ops.load_library(str(target))
             else:
-                log.info("compiling the CPU attention kernels (once per machine) into %s", target)
+                log.info("compiling the CPU kernels (once per machine) into %s", target)
                 _build(target, verbose)  # loads the library into this process as it builds it
             _state["ok"] = True
         except Exception as exc:  # no compiler, no ninja, a build error: run without the kernels
-            log.warning("CPU attention kernels unavailable, using the torch path (%s)", str(exc).splitlines()[0])
+            log.warning("CPU kernels unavailable, using the torch path (%s)", str(exc).splitlines()[0])
             _state["ok"] = False
         return bool(_state["ok"])
 

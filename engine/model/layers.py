@@ -7,7 +7,7 @@ reads only its own rows or columns from disk.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from pdserve.engine.model import fused
 
 
 def _shape(loaded: Any) -> list[int]:
@@ -88,7 +89,11 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
+           quantized: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    if quantized is not None:  # an int8 weight (engine/model/quant.py): the float one is gone
+        y = quantized(x)
+        return y if bias is None else y + bias
     if packed is not None:
         low, high = PACKED_ROWS[weight.dtype]
         if low <= x.shape[0] <= high:
@@ -134,6 +139,8 @@ def check_head_split(num_heads: int, num_kv_heads: int, tp: int) -> None:
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split over ranks; each rank yields its slice of y."""
 
+    quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by quant.quantize_model
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -152,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, _rows(loaded, self.tp_rank * size, size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -211,6 +218,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ with W's input columns split over ranks; partial sums are all-reduced."""
 
+    quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by quant.quantize_model
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -228,7 +237,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, _cols(loaded, self.tp_rank * self.in_per_rank, self.in_per_rank), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.packed_weight))
+        y = all_reduce(linear(x, self.weight, None, self.packed_weight, self.quantized))
         return y if self.bias is None else y + self.bias
 
 
@@ -264,9 +273,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split by rows like the embedding it may share weights with."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by quant.quantize_model
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight, None, self.packed_weight)
+        local = linear(hidden, self.weight, None, self.packed_weight, self.quantized)
         return all_gather_last_dim(local)[..., :self.vocab_size]
 
 
@@ -279,9 +289,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (normalised(x + residual), x + residual): the sum is the next residual."""
-        if residual is not None:
-            x = x + residual
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype), x
+        """Return (normalised(x + residual), x + residual): the sum is the next residual. The
+        fused kernels write both over x and residual (see fused.rms_norm)."""
+        return fused.rms_norm(x, residual, self.weight, self.eps)

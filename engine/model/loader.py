@@ -77,7 +77,14 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
     if missing:
         raise ValueError(f"checkpoint {cfg.path!r} lacks weights for: {sorted(missing)[:8]}")
     model.eval()
-    if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
+    if cfg.quantization:
+        # After loading, so each tensor-parallel rank quantizes its own shard.
+        from pdserve.engine.model.quant import kernel_available, quantize_model
+
+        count = quantize_model(model, cfg.quantization)
+        log.info("quantized %d weight matrices to %s (%s)", count, cfg.quantization,
+                 "AVX2 kernel for decode" if kernel_available() else "float32 slabs only: no vectorized kernel")
+    elif os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
         packed = pack_model_weights(model)
         if packed:
             log.info("prepacked %d weight matrices for the CPU", packed)

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="int8: store every linear weight as int8 with a scale per output channel (CPU only): "
+                        "a quarter of the weight memory and faster decode, logits within ~1%% of float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-kv-blocks", type=int, help="override the measured KV block count")
@@ -134,7 +137,8 @@ def engine_args_from(args: argparse.Namespace):
 
     return EngineArgs(
         model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name or args.model,
-        dtype=args.dtype, device=args.device, seed=args.seed, block_size=args.block_size,
+        dtype=args.dtype, quantization=args.quantization, device=args.device, seed=args.seed,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, long_prefill_token_threshold=args.long_prefill_token_threshold,

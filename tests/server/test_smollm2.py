@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import platform
+
 import openai
 import pytest
+import torch
 
-from pdserve.engine.config import cpu_has_native_bf16
+from pdserve.engine.config import auto_cpu_dtype, cpu_has_amx_bf16
 from pdserve.engine.demo import resolve_model
 from pdserve.engine.model.gguf_convert import smollm2_gguf
 
@@ -16,8 +19,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    # dtype auto, as `make serve` runs it: bfloat16 where the CPU has it natively, else float32.
-    if not cpu_has_native_bf16():
+    # dtype auto, as `make serve` runs it: bfloat16 where it is the faster (AMX), else float32.
+    if auto_cpu_dtype(torch.bfloat16, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())[0] == torch.float32:
         # Here auto means float32: the session's float32 smollm2 server is the same model in the same
         # dtype (its longer max-model-len and 16-token prefill chunks change nothing asserted here),
         # and sharing it saves a smollm2 start-up in make test.
