@@ -57,10 +57,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how KV blocks go from prefill to decode engines")
     p.add_argument("--pd-min-prompt-tokens", type=int,
                    help="prompts shorter than this skip the prefill pool (router default: 256; 0: all disaggregated)")
+    p.add_argument("--pd-when", choices=["busy", "always"],
+                   help="busy: a prompt skips the prefill engine while a decode engine has nothing in flight (the "
+                        "engines share this machine's cores, so the hop only pays when a prefill would stall "
+                        "running decodes); always: every prompt of --pd-min-prompt-tokens or more is "
+                        "disaggregated (default: busy, but always with --pd-min-prompt-tokens 0)")
+    p.add_argument("--engine-threads", choices=["shared", "split"], default="shared",
+                   help="shared: every engine may use all of this machine's cores, and an engine's idle threads "
+                        "sleep rather than spin (OMP_WAIT_POLICY=PASSIVE), so a lone prefill or decode runs at "
+                        "full speed; split: each engine an equal share of the cores, so engines never compete "
+                        "for one (a user's own OMP_NUM_THREADS wins over either)")
     p.add_argument("--routing-policy", choices=["least-loaded", "prefix-aware", "round-robin"])
     p.add_argument("--host", default=LOCAL, help="the router's address (everything else stays on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the endpoint clients call")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="passed to every engine: int8 stores linear weights as int8 (CPU; see `pdserve serve --help`)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int,
@@ -119,15 +131,33 @@ def resolve_model(model: str) -> ModelSource:
 
 
 def engine_thread_env(engines: int, tensor_parallel_size: int, cores: int | None = None,
-                      environ: dict[str, str] | None = None) -> tuple[tuple[str, str], ...]:
-    """Each engine process (or TP worker) gets an equal share of this machine's cores as its torch
-    threads. Left alone, every engine spins one thread per core, and a prefill running beside a
-    decode makes both many times slower. A user's own OMP_NUM_THREADS wins."""
-    if "OMP_NUM_THREADS" in (os.environ if environ is None else environ):
-        return ()
+                      environ: dict[str, str] | None = None, mode: str = "shared") -> tuple[tuple[str, str], ...]:
+    """The thread settings of each engine process (or TP worker) on this machine.
+
+    "split": an equal share of the cores each, so no two engines compete for a core, and a lone
+    request's prefill and decode each run on that share alone (half the machine with 1 + 1).
+    "shared": every engine one thread per core (per TP rank), and OpenMP's waiting threads sleep
+    at once instead of spinning: by default they spin for a while after each op, and a spinning
+    engine takes the cores another engine is computing on (a prefill beside a decode made both
+    many times slower). A user's own OMP_NUM_THREADS, OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+    """
+    env = os.environ if environ is None else environ
     if cores is None:
         cores = usable_cores()
-    return (("OMP_NUM_THREADS", str(max(1, cores // max(1, engines * tensor_parallel_size)))),)
+    settings = []
+    if "OMP_NUM_THREADS" not in env:
+        share = engines * tensor_parallel_size if mode == "split" else tensor_parallel_size
+        settings.append(("OMP_NUM_THREADS", str(max(1, cores // max(1, share)))))
+    if mode == "shared" and engines > 1 and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & env.keys():
+        settings.append(("OMP_WAIT_POLICY", "PASSIVE"))
+    return tuple(settings)
+
+
+def pd_when(args: argparse.Namespace) -> str:
+    """--pd-when, resolved: `--pd-min-prompt-tokens 0` has always meant every prompt disaggregated."""
+    if args.pd_when is not None:
+        return args.pd_when
+    return "always" if args.pd_min_prompt_tokens == 0 else "busy"
 
 
 def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
@@ -149,12 +179,13 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
 
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     names: dict[str, str] = {}
-    engine_env = engine_thread_env(n_engines, args.tensor_parallel_size)
+    engine_env = engine_thread_env(n_engines, args.tensor_parallel_size, mode=args.engine_threads)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             port = next(ports)
             argv = ["serve", "--model", model.path, "--served-model-name", model.name, "--host", LOCAL,
-                    "--port", str(port), "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+                    "--port", str(port), "--dtype", args.dtype, "--quantization", args.quantization,
+                    "--tensor-parallel-size", str(args.tensor_parallel_size),
                     "--coordinator-address", f"{LOCAL}:{stats_port}"]
             if args.max_model_len is not None:
                 argv += ["--max-model-len", str(args.max_model_len)]
@@ -192,6 +223,8 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
     router += ["--decode", *urls["decode"]]
     if args.pd_min_prompt_tokens is not None:
         router += ["--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
+    if urls["prefill"] and pd_when(args) == "busy":
+        router += ["--pd-only-when-busy"]
     if args.routing_policy is not None:
         router += ["--routing-policy", args.routing_policy]
     if model.tokenizer is not None:

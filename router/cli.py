@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k8s.add_argument("--kubeconfig", help="kubeconfig outside a cluster (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
                    help="shorter prompts skip the prefill pool (0: disaggregate every request)")
+    p.add_argument("--pd-only-when-busy", action="store_true",
+                   help="disaggregate only while every decode engine has a request of this router in flight: a "
+                        "prompt that finds one idle is computed there, without the prefill hop. For engines that "
+                        "share their cores (`pdserve up` on one machine), where the hop spares no running decode "
+                        "then; only this router's requests count, so it suits a router that is the engines' only "
+                        "client")
     p.add_argument("--tokenizer", help="tokenizer directory: exact prompt lengths and prefix hashes locally")
     p.add_argument("--tool-call-parser", choices=parser_names(), default=DEFAULT_PARSER,
                    help="the engines' --tool-call-parser: with --tokenizer, chat prompts with tools are rendered as "
@@ -148,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         coordinator_address=args.coordinator_address, coordinator_http_port=args.coordinator_http_port,
         internal_key=internal_key, metrics_require_key=args.metrics_require_key, max_prompt_chars=args.max_prompt_chars,
         tool_call_parser=args.tool_call_parser,
-        flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, connect_timeout=args.connect_timeout,
+        flow=FlowSettings(pd_min_prompt_tokens=args.pd_min_prompt_tokens, pd_only_when_busy=args.pd_only_when_busy,
+                          connect_timeout=args.connect_timeout,
                           prefill_timeout=args.prefill_timeout, request_timeout=args.request_timeout,
                           decode_first_byte_timeout=args.decode_first_byte_timeout,
                           decode_idle_timeout=args.decode_idle_timeout,

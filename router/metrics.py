@@ -17,6 +17,9 @@ LOCAL_MULTI_CHOICE = "local_multi_choice"
 # The prompt's own logprobs were asked for (completions' echo + logprobs, or prompt_logprobs): only
 # the engine that runs the prompt through the model has them, so one engine serves it all.
 LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
+# --pd-only-when-busy: a decode engine had nothing in flight, so it computed the prompt itself
+# rather than wait for a prefill hop that would spare no running decode.
+LOCAL_DECODE_IDLE = "local_decode_idle"
 
 # Outcomes of releasing a prefill hold the decode leg will not pull
 RELEASED = "released"      # the prefill engine freed the blocks
@@ -38,6 +41,7 @@ class RouterMetrics:
                                     "How requests were served: disaggregated, local_only (decode pool alone), "
                                     "local_multi_choice (n>1: decode pool alone, nothing to pull), "
                                     "local_prompt_logprobs (the prompt's logprobs asked for: decode pool alone), "
+                                    "local_decode_idle (--pd-only-when-busy: a decode engine was idle), "
                                     "or prefill_failed (fell back to the decode pool).", ["decision"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Legs retried on another engine.", ["pool"], registry=r)
         self.picks = Counter("pdserve_router_endpoint_picks", "Legs sent to each endpoint.", ["pool", "endpoint"],
@@ -62,7 +66,8 @@ class RouterMetrics:
                                         "Legs cut short, by leg and cause: timeout (a time bound) or ejected "
                                         "(their endpoint was ejected while they waited).", ["leg", "cause"],
                                         registry=r)
-        for decision in (DISAGGREGATED, LOCAL_ONLY, LOCAL_MULTI_CHOICE, LOCAL_PROMPT_LOGPROBS, PREFILL_FAILED):
+        for decision in (DISAGGREGATED, LOCAL_ONLY, LOCAL_MULTI_CHOICE, LOCAL_PROMPT_LOGPROBS, LOCAL_DECODE_IDLE,
+                         PREFILL_FAILED):
             self.pd_decisions.labels(decision)
         for outcome in (RELEASED, NOT_HELD, RELEASE_FAILED):
             self.kv_releases.labels(outcome)

@@ -64,6 +64,9 @@ class FlowSettings:
     """Time bounds in seconds; the defaults and how they were chosen: `pdserve router --help`."""
 
     pd_min_prompt_tokens: int = 256
+    # Disaggregate only while every decode engine has requests of this router in flight: an idle
+    # one computes the prompt itself (engines sharing cores gain nothing from the hop then).
+    pd_only_when_busy: bool = False
     connect_timeout: float = 2.0
     prefill_timeout: float = 60.0             # a prefill leg's answer (max_tokens=1)
     decode_first_byte_timeout: float = 120.0  # a streamed decode leg's first output
@@ -175,6 +178,12 @@ class PDFlow:
         return self.settings.pd_min_prompt_tokens <= 0 or (tokens is not None
                                                             and tokens >= self.settings.pd_min_prompt_tokens)
 
+    def idle_decode(self) -> Endpoint | None:
+        """A decode engine this router has nothing in flight on, if any. Only this router's own
+        requests count (the feed's counts lag by a report): exact where the router is the engines'
+        only client, as in `pdserve up`."""
+        return next((e for e in self.picker.candidates(self.pools.decode) if e.in_flight == 0), None)
+
     async def serve(self, request: RoutedRequest) -> Response:
         request.body.pop("kv_transfer_params", None)  # only the router sets these
         hold: Hold | None = None
@@ -185,6 +194,9 @@ class PDFlow:
             self.metrics.pd_decisions.labels(m.LOCAL_MULTI_CHOICE).inc()
         elif prompt_logprobs(request.route, request.body):
             self.metrics.pd_decisions.labels(m.LOCAL_PROMPT_LOGPROBS).inc()
+        elif self.settings.pd_only_when_busy and (idle := self.idle_decode()) is not None:
+            self.metrics.pd_decisions.labels(m.LOCAL_DECODE_IDLE).inc()
+            return await self.decode(request, None, first=idle)
         else:
             try:
                 outcome = await self.prefill(request)
@@ -238,7 +250,7 @@ class PDFlow:
         if hold is not None:
             self.releaser.release(hold.endpoint, hold.params, request.headers, why)
 
-    async def decode(self, request: RoutedRequest, hold: Hold | None) -> Response:
+    async def decode(self, request: RoutedRequest, hold: Hold | None, first: Endpoint | None = None) -> Response:
         state = (StreamState.for_request(request.route, request.body) if self.settings.migration_limit > 0
                  and single_choice_stream(request.body, request.stream, request.single_prompt) else None)
         body = dict(request.body, kv_transfer_params=hold.params) if hold is not None else request.body
@@ -251,7 +263,8 @@ class PDFlow:
         taken = False  # the decode leg took the prefill hold over (pulled it, or owns its release)
         try:
             for attempt in range(2):
-                endpoint = self.pick(self.pools.decode, None if hold is not None else request, tuple(tried))
+                endpoint = first if not attempt and first is not None else \
+                    self.pick(self.pools.decode, None if hold is not None else request, tuple(tried))
                 if endpoint is None:
                     break
                 if attempt:

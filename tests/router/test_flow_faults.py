@@ -230,6 +230,32 @@ async def test_n_above_one_never_reaches_the_prefill_engine():
         assert len(s.prefill[0].requests) == 1 and s.decode[0].requests[-1]["kv_transfer_params"] == PARAMS
 
 
+# --- only when busy (`pdserve up`): an idle decode engine computes the prompt itself ------------------
+
+async def test_only_when_busy_an_idle_decode_engine_takes_the_prompt_and_busy_ones_get_it_disaggregated():
+    async with stack([Fault()], [Fault(stall_after=1), Fault(stall_after=1)], pd_only_when_busy=True) as s, \
+            s.client() as client:
+        body = {"model": MODEL, "prompt": "a b c", "max_tokens": 3}
+        # Two streams that stall after their first token hold one decode engine each.
+        streams = [asyncio.ensure_future(read_stream(client, "/completions", body)) for _ in range(2)]
+        await eventually(lambda: [d.active for d in s.decode] == [1, 1])
+        assert s.prefill[0].requests == []
+        assert all("kv_transfer_params" not in r for d in s.decode for r in d.requests)
+        assert s.metric("pd_decisions", decision="local_decode_idle") == 2
+        # Every decode engine busy: the next prompt goes through the prefill engine.
+        answer = await client.post("/completions", json=body)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == text_of(next_tokens(3, 3))
+        assert len(s.prefill[0].requests) == 1
+        assert [r["kv_transfer_params"] for d in s.decode for r in d.requests if "kv_transfer_params" in r] == [PARAMS]
+        assert s.metric("pd_decisions", decision="disaggregated") == 1
+        for stream in streams:
+            stream.cancel()
+        await eventually(lambda: [d.active for d in s.decode] == [0, 0])
+        # Idle again: no prefill leg.
+        assert (await client.post("/completions", json=body)).status_code == 200
+        assert len(s.prefill[0].requests) == 1 and s.metric("pd_decisions", decision="local_decode_idle") == 3
+
+
 # --- releasing prefill holds nobody pulls ------------------------------------------------------------
 
 @pytest.mark.parametrize("fault, expected_status", [(Fault(status=400), 400), (Fault(status=500), 502)])

@@ -327,21 +327,48 @@ def test_status_on_a_tty_is_redrawn_in_place():
     view.close()
 
 
-def test_engines_share_the_cores_unless_the_user_set_omp_num_threads(monkeypatch):
+def test_engines_share_every_core_with_sleeping_idle_threads_unless_the_user_set_them(monkeypatch):
     from pdserve.up import engine_thread_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
 
-    assert engine_thread_env(2, 1, cores=2, environ={}) == (("OMP_NUM_THREADS", "1"),)
-    assert engine_thread_env(2, 2, cores=16, environ={}) == (("OMP_NUM_THREADS", "4"),)
-    assert engine_thread_env(5, 1, cores=2, environ={}) == (("OMP_NUM_THREADS", "1"),)
-    assert engine_thread_env(2, 1, cores=16, environ={"OMP_NUM_THREADS": "3"}) == ()
-    plan = plan_for("--prefill", "1", "--decode", "2")
-    engines = [c for c in plan.components if "-" in c.name]
-    others = [c for c in plan.components if "-" not in c.name]
-    share = max(1, len(os.sched_getaffinity(0)) // 3)
-    assert all(c.env == (("OMP_NUM_THREADS", str(share)),) for c in engines)
-    assert all(c.env == () for c in others)  # the router and coordinator keep their defaults
+    passive = ("OMP_WAIT_POLICY", "PASSIVE")
+    # shared (the default): one thread per core for every engine, per TP rank; waiting threads sleep.
+    assert engine_thread_env(2, 1, cores=2, environ={}) == (("OMP_NUM_THREADS", "2"), passive)
+    assert engine_thread_env(3, 2, cores=16, environ={}) == (("OMP_NUM_THREADS", "8"), passive)
+    assert engine_thread_env(1, 1, cores=4, environ={}) == (("OMP_NUM_THREADS", "4"),)  # nobody to share with
+    # split: an equal share of the cores each, spinning as OpenMP likes.
+    assert engine_thread_env(2, 1, cores=2, environ={}, mode="split") == (("OMP_NUM_THREADS", "1"),)
+    assert engine_thread_env(2, 2, cores=16, environ={}, mode="split") == (("OMP_NUM_THREADS", "4"),)
+    assert engine_thread_env(5, 1, cores=2, environ={}, mode="split") == (("OMP_NUM_THREADS", "1"),)
+    # The user's own settings win, each on its own.
+    assert engine_thread_env(2, 1, cores=16, environ={"OMP_NUM_THREADS": "3"}) == (passive,)
+    assert engine_thread_env(2, 1, cores=2, environ={"GOMP_SPINCOUNT": "1000"}) == (("OMP_NUM_THREADS", "2"),)
+    assert engine_thread_env(2, 1, cores=2, environ={"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}) == ()
+
+    cores = len(os.sched_getaffinity(0))
+    for argv, env in ((("--prefill", "1", "--decode", "2"), (("OMP_NUM_THREADS", str(cores)), passive)),
+                      (("--prefill", "1", "--decode", "2", "--engine-threads", "split"),
+                       (("OMP_NUM_THREADS", str(max(1, cores // 3))),))):
+        plan = plan_for(*argv)
+        engines = [c for c in plan.components if "-" in c.name]
+        others = [c for c in plan.components if "-" not in c.name]
+        assert len(engines) == 3 and all(c.env == env for c in engines)
+        assert all(c.env == () for c in others)  # the router and coordinator keep their defaults
+
+
+@pytest.mark.parametrize("argv, busy_only", [
+    ((), True),                                            # the default on one machine
+    (("--pd-min-prompt-tokens", "0"), False),              # 0 has always meant every prompt disaggregated
+    (("--pd-when", "always"), False),
+    (("--pd-min-prompt-tokens", "0", "--pd-when", "busy"), True),
+    (("--prefill", "0"), False),                           # one pool: nothing to skip
+])
+def test_the_router_skips_the_prefill_hop_for_an_idle_decode_engine_unless_told_always(argv, busy_only):
+    router = next(c for c in plan_for(*argv).components if c.name == "router")
+    assert ("--pd-only-when-busy" in router.argv) is busy_only
 
 
 def test_status_notes_restarts_on_the_line_and_below_the_table():
