@@ -69,7 +69,9 @@ class GatewaySpec:
     epp: str  # host:port of the EPP's gRPC server
     pool: tuple[str, ...]  # the InferencePool's endpoints, host:port or http://host:port
     failure_mode: FailureMode = "FailClose"
-    body_mode: BodyMode = "FULL_DUPLEX_STREAMED"
+    # None: streamed under FailClose, buffered under FailOpen. Envoy 1.40 does not fail open once a
+    # streamed body has gone to the picker: with the picker down it answers 500 (measured in e2e).
+    body_mode: BodyMode | None = None
     # The EPP answers after the body arrived; in P/D it runs the prefill leg inside that answer.
     message_timeout_s: float = 30.0
     # BUFFERED: Envoy buffers the whole request for the EPP, and this bounds it (a larger request
@@ -117,12 +119,21 @@ def _epp_cluster(spec: GatewaySpec) -> dict:
                                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": http2})
 
 
+def body_mode_of(spec: GatewaySpec) -> BodyMode:
+    if spec.body_mode is None:
+        return "BUFFERED" if spec.failure_mode == "FailOpen" else "FULL_DUPLEX_STREAMED"
+    if spec.body_mode == "FULL_DUPLEX_STREAMED" and spec.failure_mode == "FailOpen":
+        raise ValueError("FailOpen needs request_body_mode BUFFERED: Envoy answers 500 instead of failing open "
+                         "once a streamed body has gone to a picker that is down")
+    return spec.body_mode
+
+
 def _ext_proc_filter(spec: GatewaySpec) -> dict:
     config: dict = {
         "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}},
-        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": spec.body_mode,
+        "processing_mode": {"request_header_mode": "SEND", "request_body_mode": body_mode_of(spec),
                             # Duplex: trailers (if a client sends any) end the body for the picker.
-                            "request_trailer_mode": "SEND" if spec.body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
+                            "request_trailer_mode": "SEND" if body_mode_of(spec) == "FULL_DUPLEX_STREAMED" else "SKIP",
                             "response_header_mode": "SKIP",
                             "response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
         "message_timeout": f"{spec.message_timeout_s}s",

@@ -144,7 +144,7 @@ def run_epp(tmp: Path, pool: list[ServerProcess], *args: str, prefill: list[Serv
 
 @contextmanager
 def gateway(tmp: Path, epp: EppProcess, pool: list[ServerProcess], failure_mode: FailureMode = "FailClose",
-            body_mode: BodyMode = "FULL_DUPLEX_STREAMED") -> Iterator[EnvoyProcess]:
+            body_mode: BodyMode | None = None) -> Iterator[EnvoyProcess]:
     """Envoy in front of `pool`, its ext_proc filter pointed at `epp`, with an access log."""
     listener = free_port()
     spec = GatewaySpec(listener_port=listener, admin_port=free_port(), epp=epp.address,
