@@ -29,7 +29,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -37,7 +36,7 @@ import httpx
 from pdserve.bench.loadgen import LoadConfig, run_load_sync
 from pdserve.bench.report import write_report
 
-from bench_serve import free_port, stop
+from bench_serve import free_port, start, stop
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
 SLOTS, SLOT_TOKENS = 16, 512  # llama-server splits its context evenly between -np slots
@@ -104,22 +103,7 @@ def pdserve_cmd(model_dir: str, dtype: str, port: int) -> list[str]:
 def start_server(cmd: list[str], port: int, log_path: Path, threads: int, timeout: float = 600) -> subprocess.Popen:
     """Start a server with `threads` compute threads and wait for GET /health to answer 200
     (llama-server answers 503 while it loads)."""
-    log(f"starting: {' '.join(cmd)}")
-    env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS=str(threads))
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{Path(cmd[0]).name} exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise TimeoutError(f"{cmd[0]} did not become ready in {timeout:.0f} s (log: {log_path})")
+    return start(cmd, port, log_path, timeout=timeout, env={"OMP_NUM_THREADS": str(threads)})
 
 
 # --- measuring -----------------------------------------------------------------------------------

@@ -46,11 +46,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], port: int, log_path: Path, ready_path: str = "/health", timeout: float = 600) -> subprocess.Popen:
+def start(cmd: list[str], port: int, log_path: Path, ready_path: str = "/health", timeout: float = 600,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` (with `env` added to this environment) and wait until GET `ready_path` answers 200."""
     log(f"starting: {' '.join(cmd)}")
     with open(log_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONSAFEPATH="1"))
+                                env=dict(os.environ, PYTHONSAFEPATH="1", **(env or {})))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
