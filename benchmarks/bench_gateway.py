@@ -5,10 +5,11 @@ Two measurements, as bench_router's:
 - against bench_router's stub engine (answers at once), one request at a time: the latency each
   path adds, with no model time to hide it (p50/p99 per request, JSON and an 8-chunk stream).
   Besides the engine directly, the router and Envoy + EPP (the body streamed to the picker,
-  FULL_DUPLEX_STREAMED, as the GIE gateways configure it, and buffered), two rows split the EPP
-  path's cost: Envoy with no ext_proc filter (what the proxy alone adds) and Envoy asking a
-  do-nothing Python ext_proc server (the floor of any picker written with Python's gRPC: the
-  stream set-up and one round trip per request, no reading, no picking);
+  FULL_DUPLEX_STREAMED, as the GIE gateways configure it, and buffered), three rows split the EPP
+  path's cost: Envoy with no ext_proc filter (what the proxy alone adds), Envoy asking a
+  do-nothing Python ext_proc server on the picker's event loop (the floor of any picker written
+  with Python's gRPC: the stream set-up and one round trip per request, no reading, no picking),
+  and the picker on asyncio's own loop instead of uvloop;
 - against a real `pdserve serve` (the built-in demo model) under the serving load generator at 16
   streams: per-request latency p50/p99, time to first token, output tokens/s, and what each path
   adds to the direct numbers (ms and ratio).
@@ -42,10 +43,10 @@ def envoy_support():
     return envoy
 
 
-def epp_cmd(grpc_port: int, metrics_port: int, engine_url: str) -> list[str]:
+def epp_cmd(grpc_port: int, metrics_port: int, engine_url: str, loop: str = "auto") -> list[str]:
     return [sys.executable, "-m", "pdserve", "epp", "--model", MODEL, "--host", "127.0.0.1", "--grpc-port",
             str(grpc_port), "--metrics-port", str(metrics_port), "--pool-endpoints", engine_url,
-            "--log-level", "WARNING"]
+            "--event-loop", loop, "--log-level", "WARNING"]
 
 
 # --- a do-nothing ext_proc server: the floor under any Python picker ---------------------------------
@@ -79,7 +80,9 @@ def floor_server(port: int, destination: str) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(serve())
+    from pdserve.router.epp.cli import run_loop
+
+    run_loop(serve(), "auto")  # the picker's own loop, so the two rows differ only by the picking
 
 
 def start_floor(port: int, destination: str, log_path: Path):
@@ -127,6 +130,12 @@ def front_ends(stack: ExitStack, workdir: Path, engine_port: int, tag: str, brea
         stack.callback(stop, floor)
         urls["envoy alone"] = gateway("alone", f"127.0.0.1:{grpc_port}", ext_proc=False)
         urls["envoy+python ext_proc floor"] = gateway("floor", f"127.0.0.1:{floor_port}")
+        # The same picker on asyncio's own loop instead of uvloop (its default where installed).
+        plain_grpc, plain_metrics = free_port(), free_port()
+        plain = start(epp_cmd(plain_grpc, plain_metrics, engine_url, loop="asyncio"), plain_metrics,
+                      workdir / f"epp-asyncio-{tag}.log")
+        stack.callback(stop, plain)
+        urls["envoy+epp (asyncio loop)"] = gateway("epp-asyncio", f"127.0.0.1:{plain_grpc}")
     urls["envoy+epp"] = gateway("epp", f"127.0.0.1:{grpc_port}")
     urls["envoy+epp (buffered)"] = gateway("epp-buffered", f"127.0.0.1:{grpc_port}", body_mode="BUFFERED")
     return urls

@@ -47,6 +47,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
 from pdserve.engine.server.dp_rank import DP_RANK_HEADER
 from pdserve.engine.server.errors import APIError, new_error_id
+from pdserve.router.balancer import Policy
 from pdserve.router.epp import messages
 from pdserve.router.epp.metrics import EppMetrics
 from pdserve.router.epp.prefill import PrefillLeg, Refusal, decode_body
@@ -97,6 +98,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.reader = reader
         self.prefill_leg = prefill
+        # The prompt (parsed by the engines' request schema, tokenized) only matters to a prefill
+        # leg and to the prefix bonus; without either, reading it would be the picker's largest
+        # cost per request for nothing.
+        self.reads_prompts = prefill is not None or settings.policy is Policy.PREFIX_AWARE
+        # The pool serves one model: its labelled series, looked up once.
+        model = settings.model
+        self.served = metrics.requests.labels(model, model)
+        self.duration = metrics.duration.labels(model, model)
+        self.sizes = metrics.sizes.labels(model, model)
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -188,15 +198,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange.placed = exchange.refused = True
         code = exc.code or str(exc.status)
         self.metrics.request_errors.labels(model, model, code).inc()
-        self.metrics.duration.labels(model, model).observe(time.perf_counter() - exchange.started)
+        self.duration.observe(time.perf_counter() - exchange.started)
         return messages.immediate(exc.status, exc.message, exc.code, exc.param)
 
     def placed(self, exchange: Exchange, model: str, answer: pb.ProcessingResponse,
                destination: str) -> pb.ProcessingResponse:
         exchange.placed = True
-        self.metrics.requests.labels(model, model).inc()
+        self.served.inc()
         self.metrics.picks.labels(destination.split(",", 1)[0]).inc()
-        self.metrics.duration.labels(model, model).observe(time.perf_counter() - exchange.started)
+        self.duration.observe(time.perf_counter() - exchange.started)
         return answer
 
     def no_endpoint(self, subset: list[str] | None) -> APIError:
@@ -217,7 +227,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         """The answers that place a request whose body is `raw`, or the one that refuses it."""
         settings, state, pool = self.settings, self.state, self.state.pools.decode
         model = settings.model
-        self.metrics.sizes.labels(model, model).observe(too_large or len(raw))
+        self.sizes.observe(too_large or len(raw))
         headers = exchange.headers or {}
         try:
             if too_large is not None:
@@ -227,15 +237,16 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             check_model(body, settings.model)
         except APIError as exc:
             return [self.refuse(exchange, model, exc)]
-        if not state.candidates(pool, exchange.subset):
+        candidates = state.candidates(pool, exchange.subset)
+        if not candidates:
             return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
         priority = settings.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
-        if priority < 0 and state.saturated(state.candidates(pool, exchange.subset), pool):
+        if priority < 0 and state.saturated(candidates, pool):
             return [self.refuse(exchange, model, APIError(
                 429, "The pool is saturated and this request's objective is sheddable; retry later.",
                 code="rate_limit_exceeded"))]
         route = route_of(exchange.path)
-        routed = await self.reader.routed(route, body) if route is not None else None
+        routed = await self.reader.routed(route, body) if route is not None and self.reads_prompts else None
         hold: Hold | None = None
         if routed is not None and self.wants_prefill(routed):
             # Only the picker sets these (a copy: `body` is still the client's, for the decode body).
@@ -249,10 +260,10 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 self.metrics.request_errors.labels(model, model, str(outcome.status)).inc()
                 return [messages.immediate_raw(outcome.status, outcome.body, outcome.content_type, "prefill_refused")]
             hold = exchange.hold = outcome
-        # Re-read after the prefill leg: an endpoint may have been ejected meanwhile.
-        candidates = state.candidates(pool, exchange.subset)
-        if not candidates:
-            return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
+            # Re-read after the prefill leg: an endpoint may have been ejected meanwhile.
+            candidates = state.candidates(pool, exchange.subset)
+            if not candidates:
+                return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
         # With a hold the KV comes from the prefill engine: no prefix bonus, as the router does.
         choice = state.choose(pool, candidates, None if hold is not None else routed)
         extra: dict[str, str] = {}
