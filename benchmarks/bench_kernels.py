@@ -1,12 +1,15 @@
 """The fused elementwise ops of a decoder layer against the eager PyTorch they replace.
 
-Per op (RMSNorm with the residual add, SiLU·mul, rotary of q and k), at the shapes of SmolLM2-135M
+Per op (RMSNorm with the residual add, SiLU·mul, rotary of q and k, the KV cache write), at the shapes of SmolLM2-135M
 (hidden 576, 9 heads / 3 KV heads of 64, intermediate 1536) and of the ~100M benchmark Llama of
 bench_offline (hidden 768, 12 / 4 heads of 64, intermediate 2048), for 1 to 512 tokens, float32
 and bfloat16: microseconds per call of the reference expression (fused.*_reference) and of the
 kernel the engine picks on this machine, and their ratio. Then the whole effect: decode steps of
 the benchmark model through `LLM.generate` at batch 1 and 16, model forward time per step with
 the reference ops and with the fused ones (fused.use_reference toggles them in one process).
+Last, whether torch.compile would pay: the MLP half of a layer as the engine runs it against
+inductor's compile of the reference expression (static shapes, frozen weights) at 1/16/64 rows,
+with the one-time compile cost.
 
 Timings alternate the two paths round by round in one process and report medians, so a noisy
 neighbour slows both alike; the ratio (eager / fused, above 1 = fused faster) is the result.
@@ -64,6 +67,11 @@ def op_cases(shape: tuple[int, int, int, int, int], tokens: int, dtype: torch.dt
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    block_size, blocks = 16, max(64, 2 * tokens // 16)
+    key_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     # The fused RMSNorm and rotary work in place: repeating them on the same buffers only keeps
     # rescaling values, which costs the same.
     return [
@@ -72,7 +80,66 @@ def op_cases(shape: tuple[int, int, int, int, int], tokens: int, dtype: torch.dt
         ("silu_mul", lambda: fused.silu_mul_reference(gate_up), lambda: fused.silu_mul(gate_up)),
         ("rotary_qk", lambda: fused.rotate_qk_reference(positions, q, k, rotary.cos, rotary.sin, rotary.rotary_dim),
          lambda: fused.rotate_qk(positions, q, k, rotary.cos, rotary.sin, rotary.rotary_dim)),
+        ("kv_write", lambda: fused.write_kv_reference(k, v, key_cache, value_cache, slots),
+         lambda: fused.write_kv(k, v, key_cache, value_cache, slots)),
     ]
+
+
+# -- torch.compile: does it pay on this CPU? ---------------------------------------------------------
+
+class ReferenceMLPBlock(torch.nn.Module):
+    """The dense half of a decoder layer as plain eager ops (add+RMSNorm, gate/up, SiLU·mul, down):
+    what torch.compile would see and fuse if the engine compiled its step."""
+
+    def __init__(self, weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.gate_up = torch.nn.Parameter(gate_up, requires_grad=False)
+        self.down = torch.nn.Parameter(down, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h, _ = fused.rms_norm_reference(x, residual, self.weight, 1e-5)
+        return torch.nn.functional.linear(fused.silu_mul_reference(torch.nn.functional.linear(h, self.gate_up)),
+                                          self.down)
+
+
+def run_compile(dtype: torch.dtype, token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
+    """The same block as the engine runs it (oneDNN-packed weights where they pay, our fused
+    kernels) against torch.compile (inductor, weights frozen, one static shape per row count, as
+    padded batch buckets would give) of the reference block. compile_s is the one-time cost."""
+    import torch._inductor.config as inductor_config
+
+    from pdserve.engine.model.layers import linear, pack_weight
+
+    hidden, _, _, _, inter = SHAPES["bench-100m"]
+    gen = torch.Generator().manual_seed(0)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    gate_up = (torch.randn(2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    packed_gate_up, packed_down = pack_weight(gate_up), pack_weight(down)
+    inductor_config.freezing = True  # weights become constants: inductor may prepack them itself
+    block = ReferenceMLPBlock(weight, gate_up, down).eval()
+    rows = []
+    with torch.no_grad():
+        compiled = torch.compile(block, dynamic=False)
+        for tokens in token_counts:
+            x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+            residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
+
+            def engine() -> torch.Tensor:
+                h, _ = fused.rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+                return linear(fused.silu_mul(linear(h, gate_up, None, packed_gate_up)), down, None, packed_down)
+
+            began = time.perf_counter()
+            compiled(x, residual)
+            compile_s = time.perf_counter() - began
+            torch.testing.assert_close(compiled(x, residual), engine(), rtol=1e-3, atol=1e-3)  # the same block
+            engine_us, compiled_us = _time_pair(engine, lambda: compiled(x, residual), rounds, min_s)
+            rows.append({"block": "add_rms_norm+gate_up+silu_mul+down", "shape": "bench-100m",
+                         "dtype": str(dtype).removeprefix("torch."), "tokens": tokens, "engine_us": engine_us,
+                         "compiled_us": compiled_us, "compile_s": compile_s,
+                         "compiled_speedup": engine_us / compiled_us})
+    return rows
 
 
 def run_ops(dtypes: list[torch.dtype], token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
@@ -132,6 +199,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip the whole decode step rows")
     parser.add_argument("--no-ops", action="store_true", help="skip the per-op rows")
     parser.add_argument("--step-dtype", default="float32", help="dtype of the decode step rows")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -143,6 +211,12 @@ def main(argv: list[str]) -> None:
     write_report("kernels", rows, title="fused layer ops: eager vs fused (us per call; speedup = eager / fused)",
                  meta={"kernels_loaded": fused.cpu_kernels_ready(), "threads": torch.get_num_threads(),
                        "rounds": rounds, "quick": args.quick})
+    if not args.no_compile:
+        compile_rows = run_compile(torch.float32, [1, 16, 64], rounds, min_s=0.005 if args.quick else 0.02)
+        write_report("kernels_compile", compile_rows,
+                     title="a decoder layer's MLP half: the engine's eager path vs torch.compile (us per call; "
+                           "compiled_speedup > 1: compiling would pay)",
+                     meta={"threads": torch.get_num_threads(), "rounds": rounds, "quick": args.quick})
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.model import fused
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values ([tokens, kv_heads, head_dim]) at their cache slots."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    """Store this step's keys/values ([tokens, kv_heads, head_dim]) at their cache slots (one fused
+    copy on the CPU where our kernels are built, else two index_copy_)."""
+    fused.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
 def context_slots(block_table: np.ndarray, length: int, block_size: int) -> np.ndarray:

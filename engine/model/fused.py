@@ -1,11 +1,12 @@
-"""The elementwise parts of a decoder layer, fused: RMSNorm with the residual add, SiLU·mul, rotary.
+"""The elementwise parts of a decoder layer, fused: RMSNorm with the residual add, SiLU·mul, rotary,
+and the KV cache write.
 
 Each op has one reference expression here (`*_reference`: the eager PyTorch the model ran before,
 kept as the definition the fused kernels are tested against) and an entry point that picks, per
 call, the fastest implementation the tensors allow:
 
-- on the CPU, our C++ kernels (engine/attention/csrc/cpu_fused_ops.cpp, built with the decode
-  attention by cpu_kernels) for float32 and bfloat16;
+- on the CPU, our C++ kernels (engine/attention/csrc/cpu_fused_ops.cpp and cpu_kv_write.cpp,
+  built with the decode attention by cpu_kernels) for float32 and bfloat16;
 - on CUDA, the Triton kernels of engine/attention/triton_fused.py when triton is importable;
 - anywhere else (float16 on the CPU, no compiler, PDSERVE_DISABLE_CPU_KERNELS=1), the reference.
 
@@ -61,6 +62,13 @@ def rotate_qk_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     cos = cos_table[positions].unsqueeze(1)
     sin = sin_table[positions].unsqueeze(1)
     return rotate_reference(q, cos, sin, rotary_dim), rotate_reference(k, cos, sin, rotary_dim)
+
+
+def write_kv_reference(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 # -- dispatch ---------------------------------------------------------------------------------------
@@ -153,3 +161,15 @@ def rotate_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_tab
         return triton_module().rotate_qk(positions, q, k, cos_table, sin_table, rotary_dim)
     torch.ops.pdserve_cpu.rotary_embedding(positions, q, k, cos_table, sin_table, rotary_dim)
     return q, k
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store keys and values [tokens, kv_heads, head_dim] at their flat cache slots, as
+    write_kv_reference; the CPU kernel copies both in one pass (the GPU has triton_paged.write_kv)."""
+    if (_path(key) != "cpu" or key.stride(-1) != 1 or value.stride(-1) != 1 or value.dtype != key.dtype
+            or key_cache.dtype != key.dtype or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+        return
+    torch.ops.pdserve_cpu.write_kv(key, value, key_cache, value_cache, slot_mapping)

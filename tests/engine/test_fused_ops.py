@@ -1,6 +1,6 @@
 """The fused layer ops (engine/model/fused.py) against the eager expressions they replace.
 
-On the CPU the C++ kernels (csrc/cpu_fused_ops.cpp) run; their Triton twins run in the Triton
+On the CPU the C++ kernels (csrc/cpu_fused_ops.cpp, cpu_kv_write.cpp) run; their Triton twins run in the Triton
 interpreter in a child process (TRITON_INTERPRET must be set before triton is first imported, and
 other tests may import it first): this file is that child's script when run with --triton-cases.
 
@@ -10,6 +10,7 @@ Tolerances, from measured errors on these inputs:
 - RMSNorm: the sum of squares is accumulated in another order than torch's, so float32 differs
   by up to ~1e-6 relative (measured max abs 7e-7 at |x| ~ 3); bfloat16 results within one ulp.
 - SiLU·mul: our vectorized exp is within ~2 ulps of torch's, measured max relative error 2.2e-7.
+- KV write: a copy, bit for bit.
 """
 
 from __future__ import annotations
@@ -130,6 +131,36 @@ def test_rotary_rejects_positions_outside_the_table():
     _, q, k = _qk(2, 4, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         rotary(torch.tensor([3, 64]), q, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 300])  # 300: enough rows for the copy to split over threads
+def test_kv_write_matches_index_copy(tokens, dtype):
+    # k and v as the model hands them over: views into the fused qkv projection's output.
+    heads, kv_heads, head_dim, block_size, blocks = 4, 2, 24, 16, 24
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    caches = [torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    want, got = caches[0].clone(), caches[0]
+    fused.write_kv_reference(k, v, want[0], want[1], slots)
+    fused.write_kv(k, v, got[0], got[1], slots)
+    assert torch.equal(got, want)  # a copy: bit for bit, and nothing but the named slots changes
+
+
+def test_kv_write_skips_negative_slots_and_refuses_slots_past_the_cache():
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    key_cache, value_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    fused.write_kv(k, v, key_cache, value_cache, torch.tensor([5, -1, 0]))
+    assert torch.equal(key_cache.view(-1, 2, 8)[[5, 0]], k[[0, 2]])
+    assert torch.equal(value_cache.view(-1, 2, 8)[[5, 0]], v[[0, 2]])
+    assert int((key_cache != 0).any(-1).any(-1).sum()) == 2  # the skipped token wrote nowhere
+    before = key_cache.clone()
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        fused.write_kv(k, v, key_cache, value_cache, torch.tensor([1, 2, 16]))
+    assert torch.equal(key_cache, before)  # checked before anything is written
 
 
 def test_reference_switch_routes_every_op_to_eager():
