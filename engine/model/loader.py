@@ -88,5 +88,8 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         packed = pack_model_weights(model)
         if packed:
             log.info("prepacked %d weight matrices for the CPU", packed)
+            from pdserve.engine.model.linear_tuning import maybe_tune
+
+            maybe_tune(model)
     log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
     return model
