@@ -27,11 +27,6 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
 
 
 @pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def reference(path):
     """Outputs of an unconstrained engine with prefix caching off: what every variant must equal."""
     llm = LLM(path, dtype="float32", enable_prefix_caching=False)

@@ -33,11 +33,6 @@ def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-@pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
-
-
 def test_same_step_preemption_leaves_no_stale_prefix_hashes(path):
     """A low-priority request is scheduled (its new blocks hashed at allocation) and then preempted
     in the same step by a more important one: the KV of those blocks is never written, so neither

@@ -13,8 +13,6 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.frontend.output_processor import OutputProcessor
 from pdserve.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobsLists
 
-from support.hf_reference import load_hf_model
-
 TOL = 1e-3
 
 
@@ -29,16 +27,6 @@ def params(k: int | None, max_tokens: int = 4) -> SamplingParams:
 
 def run(llm: LLM, prompts: list[list[int]], p: SamplingParams):
     return llm.generate([{"prompt_token_ids": ids} for ids in prompts], p)
-
-
-@pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(path):
-    return load_hf_model(path)
 
 
 @pytest.fixture(scope="module")

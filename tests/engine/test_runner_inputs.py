@@ -19,22 +19,12 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
 from pdserve.engine.worker.step_inputs import StepInputs
 
-from support.hf_reference import hf_greedy, load_hf_model
+from support.hf_reference import hf_greedy
 
 
 def prompts_of(seed: int, lengths: list[int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 4096) for _ in range(n)] for n in lengths]
-
-
-@pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(path):
-    return load_hf_model(path)
 
 
 def test_batches_that_shrink_grow_and_preempt_stay_exact(path, hf):

@@ -11,22 +11,12 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
 
-from support.hf_reference import hf_next_token_logits, load_hf_model
-
-
-@pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
+from support.hf_reference import hf_next_token_logits
 
 
 @pytest.fixture(scope="module")
 def llm(path):
     return LLM(path, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def hf(path):
-    return load_hf_model(path)
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:

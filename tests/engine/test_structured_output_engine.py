@@ -52,11 +52,6 @@ def prompts(n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def path(model_dir):
-    return model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def llm(path):
     engine = LLM(path, **ENGINE_ARGS)
     yield engine
