@@ -22,18 +22,14 @@ from typing import Iterator
 
 import grpc
 import httpx
-import msgspec
 import pytest
-import zmq
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.engine import internal_auth
-from pdserve.engine.core.load_reporter import LoadReport
-from support.coordinator import run_coordinator
+from support.coordinator import PeriodicReporter as Reporter, run_coordinator
 from support.server import ServerProcess, free_port, p2p_config, wait_healthy
 from support.scrape import metric_total, successes, wait_until
 
@@ -97,52 +93,6 @@ def picker(tmp: Path, *args: str) -> Iterator[Picker]:
     finally:
         stop(server)
         assert server.proc.returncode == 0, server.log()  # a clean stop on SIGTERM
-
-
-class Reporter:
-    """Engine reports pushed to the coordinator every 0.2 s, as engine cores would: `loads` maps an
-    engine id to its fields (address, dp_rank, waiting, running, step); ids in `paused` go silent."""
-
-    def __init__(self, stats_address: str) -> None:
-        self.stats_address = stats_address
-        self.loads: dict[str, dict] = {}
-        self.paused: set[str] = set()
-        self.lock = threading.Lock()
-        self.running = True
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def set(self, **loads: dict) -> None:
-        with self.lock:
-            self.loads = {k.replace("_", "-"): v for k, v in loads.items()}
-            self.paused = set()
-
-    def _loop(self) -> None:
-        context = zmq.Context()
-        sock = context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        internal_auth.secure_client(sock, internal_auth.load_internal_key())
-        sock.connect(f"tcp://{self.stats_address}")
-        seq = 0
-        try:
-            while self.running:
-                with self.lock:
-                    loads = {k: v for k, v in self.loads.items() if k not in self.paused}
-                for engine_id, fields in loads.items():
-                    seq += 1
-                    report = LoadReport(id=engine_id, role="both", address=fields["address"],
-                                        dp_rank=fields.get("dp_rank", 0), seq=seq, time=time.time(),
-                                        waiting=fields.get("waiting", 0), running=fields.get("running", 0),
-                                        kv_usage=fields.get("kv_usage", 0.0), step=fields.get("step", 1))
-                    sock.send(msgspec.msgpack.encode(report))
-                time.sleep(0.2)
-        finally:
-            sock.close()
-            context.term()
-
-    def close(self) -> None:
-        self.running = False
-        self.thread.join()
 
 
 # --- ext_proc messages ------------------------------------------------------------------------------

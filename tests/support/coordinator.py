@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,6 +136,52 @@ class FakeEngine:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class PeriodicReporter:
+    """Engine reports pushed to the coordinator every 0.2 s, as engine cores would: `loads` maps an
+    engine id to its fields (address, dp_rank, waiting, running, step); ids in `paused` go silent."""
+
+    def __init__(self, stats_address: str) -> None:
+        self.stats_address = stats_address
+        self.loads: dict[str, dict] = {}
+        self.paused: set[str] = set()
+        self.lock = threading.Lock()
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def set(self, **loads: dict) -> None:
+        with self.lock:
+            self.loads = {k.replace("_", "-"): v for k, v in loads.items()}
+            self.paused = set()
+
+    def _loop(self) -> None:
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        internal_auth.secure_client(sock, internal_auth.load_internal_key())
+        sock.connect(f"tcp://{self.stats_address}")
+        seq = 0
+        try:
+            while self.running:
+                with self.lock:
+                    loads = {k: v for k, v in self.loads.items() if k not in self.paused}
+                for engine_id, fields in loads.items():
+                    seq += 1
+                    report = LoadReport(id=engine_id, role="both", address=fields["address"],
+                                        dp_rank=fields.get("dp_rank", 0), seq=seq, time=time.time(),
+                                        waiting=fields.get("waiting", 0), running=fields.get("running", 0),
+                                        kv_usage=fields.get("kv_usage", 0.0), step=fields.get("step", 1))
+                    sock.send(msgspec.msgpack.encode(report))
+                time.sleep(0.2)
+        finally:
+            sock.close()
+            context.term()
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
 
 
 class Subscriber:
