@@ -72,6 +72,7 @@ def floor_server(port: int, destination: str) -> None:
                     if message.request_body.end_of_stream:
                         yield messages.routed("request_headers", destination, {}, ())
                         yield messages.streamed_body(b"".join(chunks))
+                        return  # ends the stream once placed, as the picker does
 
     async def serve() -> None:
         server = grpc.aio.server()

@@ -10,7 +10,7 @@ BUFFERED (Envoy waits for each answer before sending the next message):
                       the body replaced where it must change (P/D, or client kv_transfer_params);
                       or an immediate OpenAI error (400, 404, 413, 429, 503, or the prefill
                       engine's own 4xx).
-  The whole body comes in one message; a second body message is a protocol error.
+  The whole body comes in one message.
 
 FULL_DUPLEX_STREAMED (the GIE reference gateways' mode; Envoy sends the body chunks without
 waiting for the headers' answer, so a request costs the picker one round trip, not two):
@@ -22,8 +22,9 @@ waiting for the headers' answer, so a request costs the picker one round trip, n
                       chunk (in this mode Envoy forwards only what the picker sends back).
   request_trailers -> ends the body if it had not ended; answered with CONTINUE.
 
-A body before headers is a protocol error in both. Response phases, if a gateway sends them, get
-CONTINUE.
+A body before headers is a protocol error in both. Once a request is placed or refused the picker
+ends the stream with OK: Envoy then finishes the request without it (response phases, if a gateway
+is configured to send them, are not sent; the picker would only have answered CONTINUE).
 
 A stream never takes the server down: a protocol error ends it with INVALID_ARGUMENT, anything
 unexpected with INTERNAL (logged with an id); both are counted. The picker keeps no per-request
@@ -78,8 +79,7 @@ class Exchange:
     duplex: bool = False                       # FULL_DUPLEX_STREAMED: answers wait for the whole body
     headers: dict[str, str] | None = None
     subset: list[str] | None = None
-    placed: bool = False
-    refused: bool = False                      # an immediate response went out: the rest is moot
+    placed: bool = False                       # answered with a pick or an immediate response
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     hold: Hold | None = None                   # prefill KV waiting for the answer to be sent
@@ -116,6 +116,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 for answer in await self.answer(exchange, message):
                     yield answer
                 exchange.hold = None  # sent: the decode leg owns the prefill's blocks now
+                if exchange.placed:
+                    # Placed or refused: nothing the gateway could still send needs the picker (its
+                    # response phases would only get CONTINUE). Ending the stream now, with OK,
+                    # tells Envoy to finish the request without it, and saves the picker about a
+                    # tenth of its gRPC work per request (the stream's later close).
+                    return
         except ProtocolError as exc:
             self.metrics.stream_errors.labels("protocol").inc()
             log.warning("ext_proc protocol error: %s", exc)
@@ -145,8 +151,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             exchange.duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
         if phase is None:
             raise ProtocolError("a ProcessingRequest with no request phase set")
-        if exchange.refused:
-            return []  # sent before the refusal reached the gateway; it answers the client already
         if phase == "request_headers":
             if exchange.headers is not None:
                 raise ProtocolError("request headers sent twice on one stream")
@@ -159,10 +163,6 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         if phase == "request_body":
             if exchange.headers is None:
                 raise ProtocolError("a request body before the request headers")
-            if exchange.placed:
-                raise ProtocolError("a request body after the request was placed" if exchange.duplex else
-                                    "a second request body message: configure request_body_mode BUFFERED "
-                                    "or FULL_DUPLEX_STREAMED")
             body = message.request_body
             if not exchange.duplex:
                 return await self.place(exchange, body.body)
@@ -195,7 +195,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return await self.place(exchange, raw, trailers=trailers)
 
     def refuse(self, exchange: Exchange, model: str, exc: APIError) -> pb.ProcessingResponse:
-        exchange.placed = exchange.refused = True
+        exchange.placed = True
         code = exc.code or str(exc.status)
         self.metrics.request_errors.labels(model, model, code).inc()
         self.duration.observe(time.perf_counter() - exchange.started)
@@ -256,7 +256,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             exchange.routed = routed
             outcome = await self.prefill(routed)
             if isinstance(outcome, Refusal):
-                exchange.placed = exchange.refused = True
+                exchange.placed = True
                 self.metrics.request_errors.labels(model, model, str(outcome.status)).inc()
                 return [messages.immediate_raw(outcome.status, outcome.body, outcome.content_type, "prefill_refused")]
             hold = exchange.hold = outcome
