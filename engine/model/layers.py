@@ -91,14 +91,20 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
            quantized: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           packed_rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """x Wᵀ + b by the fastest path this weight has: int8, oneDNN-packed for `packed_rows` rows
-    (default PACKED_ROWS; linear_tuning may widen it per weight), widened bf16, or F.linear."""
+           one_row: str | None = None) -> torch.Tensor:
+    """x Wᵀ + b by the fastest path this weight has: int8; for a single row, the path linear_tuning
+    measured fastest for this weight (`one_row`: oneDNN-packed, or our AVX2 kernel); oneDNN-packed
+    for PACKED_ROWS rows; widened bf16; or F.linear."""
     if quantized is not None:  # an int8 weight (engine/model/quant.py): the float one is gone
         y = quantized(x)
         return y if bias is None else y + bias
+    if one_row is not None and x.dim() == 2 and x.shape[0] == 1:
+        if one_row == "kernel":
+            y = torch.ops.pdserve_cpu.f32_linear(x, weight)
+            return y if bias is None else y + bias
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if packed is not None:
-        low, high = packed_rows or PACKED_ROWS[weight.dtype]
+        low, high = PACKED_ROWS[weight.dtype]
         if low <= x.shape[0] <= high:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     elif (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
@@ -153,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
-        self.packed_rows: tuple[int, int] | None = None  # set by linear_tuning where it differs
+        self.one_row: str | None = None  # set by linear_tuning where another path serves one row faster
         self.weight.weight_loader = self.load_rows  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self.load_rows  # type: ignore[attr-defined]
@@ -163,7 +169,7 @@ class ColumnParallelLinear(nn.Module):
         _copy(param.data, _rows(loaded, self.tp_rank * size, size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized, self.packed_rows)
+        return linear(x, self.weight, self.bias, self.packed_weight, self.quantized, self.one_row)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -233,7 +239,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None
-        self.packed_rows: tuple[int, int] | None = None
+        self.one_row: str | None = None
         self.weight.weight_loader = self.load_cols  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = lambda p, loaded, shard=None: _copy(p.data, loaded[:], "row-parallel bias")
@@ -242,7 +248,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, _cols(loaded, self.tp_rank * self.in_per_rank, self.in_per_rank), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight, None, self.packed_weight, self.quantized, self.packed_rows))
+        y = all_reduce(linear(x, self.weight, None, self.packed_weight, self.quantized, self.one_row))
         return y if self.bias is None else y + self.bias
 
 
@@ -278,11 +284,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, split by rows like the embedding it may share weights with."""
 
     packed_weight: torch.Tensor | None = None
-    packed_rows: tuple[int, int] | None = None
+    one_row: str | None = None
     quantized: Callable[[torch.Tensor], torch.Tensor] | None = None  # set by quant.quantize_model
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight, None, self.packed_weight, self.quantized, self.packed_rows)
+        local = linear(hidden, self.weight, None, self.packed_weight, self.quantized, self.one_row)
         return all_gather_last_dim(local)[..., :self.vocab_size]
 
 

@@ -84,12 +84,13 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         count = quantize_model(model, cfg.quantization)
         log.info("quantized %d weight matrices to %s (%s)", count, cfg.quantization,
                  "AVX2 kernel for decode" if kernel_available() else "float32 slabs only: no vectorized kernel")
-    elif os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
-        packed = pack_model_weights(model)
-        if packed:
-            log.info("prepacked %d weight matrices for the CPU", packed)
-            from pdserve.engine.model.linear_tuning import maybe_tune
+    else:
+        if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
+            packed = pack_model_weights(model)
+            if packed:
+                log.info("prepacked %d weight matrices for the CPU", packed)
+        from pdserve.engine.model.linear_tuning import maybe_tune
 
-            maybe_tune(model)
+        maybe_tune(model)
     log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
     return model
