@@ -4,6 +4,8 @@ not apply outside tests/. `support` is importable through pytest's pythonpath (p
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -21,3 +23,18 @@ def model(tmp_path_factory) -> str:
     from support.model_specs import MODEL_SPECS
 
     return str(build_random_model(tmp_path_factory.mktemp("models") / "llama", **MODEL_SPECS["llama"]))
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory, request) -> Path:
+    """A folder per test module for its engines', EPPs' and Envoys' logs."""
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def pool(model, tmp) -> Iterator[list]:
+    """Two engines serving the same model (role both), for the module's gateways."""
+    from support.gateway import engines
+
+    with engines(model, tmp, ["both", "both"]) as started:
+        yield started

@@ -7,29 +7,14 @@ The two engines are shared by the module; the test that kills one of them runs l
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
-
 import openai
 import pytest
 
-from support.gateway import (canary, complete, engines, gateway, host_of, kill_now, launch_epp, picks_steered,
+from support.gateway import (canary, complete, gateway, host_of, kill_now, launch_epp, picks_steered,
                              run_epp, stop, streamed_text, wait_all)
 from support.scrape import wait_until
-from support.server import ServerProcess
 
 PROMPT = "The gateway keeps serving"
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gateway-faults")
-
-
-@pytest.fixture(scope="module")
-def pool(model, tmp) -> Iterator[list[ServerProcess]]:
-    with engines(model, tmp, ["both", "both"]) as started:
-        yield started
 
 
 def test_epp_killed_failopen_still_serves_failclose_answers_503(tmp, pool):

@@ -7,30 +7,16 @@ saturated (two tiny engines cannot be kept saturated on purpose). Run with `make
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
-
 import openai
 import pytest
 
 from support.coordinator import PeriodicReporter, run_coordinator
-from support.gateway import complete, engines, gateway, host_of, run_epp
+from support.gateway import complete, gateway, host_of, run_epp
 from support.scrape import metric_total, wait_until
 from support.server import ServerProcess
 
 PROMPT = "Shed the batch jobs"
 OBJECTIVE = "x-gateway-inference-objective"
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gateway-shedding")
-
-
-@pytest.fixture(scope="module")
-def pool(model, tmp) -> Iterator[list[ServerProcess]]:
-    with engines(model, tmp, ["both", "both"]) as started:
-        yield started
 
 
 def queue_seen(epp_url: str, engine: ServerProcess, waiting: int) -> bool:
