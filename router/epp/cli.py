@@ -80,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between engine /health checks")
     p.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to an engine")
     p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="the picker's event loop; auto: uvloop where installed. The loop is most of what the "
-                        "picker adds to each request's latency (bench_gateway measures both)")
+                   help="the picker's event loop; auto: uvloop where installed, on which gRPC's work per "
+                        "request costs less (bench_gateway measures both)")
     p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
 
 
