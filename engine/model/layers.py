@@ -93,14 +93,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
            quantized: Callable[[torch.Tensor], torch.Tensor] | None = None,
            one_row: str | None = None) -> torch.Tensor:
     """x Wᵀ + b by the fastest path this weight has: int8; for a single row, the path linear_tuning
-    measured fastest for this weight (`one_row`: oneDNN-packed, or our AVX2 kernel); oneDNN-packed
-    for PACKED_ROWS rows; widened bf16; or F.linear."""
+    measured fastest for this weight (`one_row`: oneDNN-packed, or our AVX2 kernel on all threads
+    or on one); oneDNN-packed for PACKED_ROWS rows; widened bf16; or F.linear."""
     if quantized is not None:  # an int8 weight (engine/model/quant.py): the float one is gone
         y = quantized(x)
         return y if bias is None else y + bias
     if one_row is not None and x.dim() == 2 and x.shape[0] == 1:
-        if one_row == "kernel":
-            y = torch.ops.pdserve_cpu.f32_linear(x, weight)
+        if one_row in ("kernel", "kernel_serial"):
+            y = torch.ops.pdserve_cpu.f32_linear(x, weight, one_row == "kernel_serial")
             return y if bias is None else y + bias
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if packed is not None:

@@ -5,7 +5,9 @@ One row of x times a weight is a matrix-vector product: reading the weight from 
 its cost, and how fast a path streams it depends on the shape and the CPU. Measured on an AVX2
 EPYC with the weights coming from memory, MKL's gemv (F.linear, the default rule) reads 11-19
 GB/s, oneDNN's packed layout 12-26 GB/s, and our AVX2 kernel (csrc/cpu_int8_linear.cpp's
-`f32_linear`) 20-29 GB/s, with the order changing from shape to shape. So each distinct weight
+`f32_linear`) 20-29 GB/s, with the order changing from shape to shape. Where OpenMP's idle
+threads sleep (OMP_WAIT_POLICY=PASSIVE, `pdserve up`'s setting) a parallel kernel pays a wake-up
+per call, so the kernel is also timed on the calling thread alone. So each distinct weight
 shape is timed every available way, once, on the model's own weights (its layers in turn, so the
 weights come from memory as in a real step, not from cache), and its modules take the fastest
 path for one row where that beats F.linear by a margin.
@@ -70,6 +72,7 @@ def candidates(modules: list[nn.Module], x: torch.Tensor) -> dict[str, Callable[
     if (x.dtype == torch.float32 and all(m.weight.is_contiguous() for m in modules)
             and fused.cpu_kernels_ready()):
         paths["kernel"] = lambda: [torch.ops.pdserve_cpu.f32_linear(x, m.weight) for m in modules]
+        paths["kernel_serial"] = lambda: [torch.ops.pdserve_cpu.f32_linear(x, m.weight, True) for m in modules]
     return paths
 
 

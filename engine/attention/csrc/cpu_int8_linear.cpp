@@ -88,9 +88,10 @@ void rows_of_x(const float* x, int64_t m_size, int64_t ldx, const W* w, int64_t 
 
 constexpr int64_t kRowsPerTile = 2;
 
-// out = x wᵀ (times the row scales, if any), the output rows split over threads.
+// out = x wᵀ (times the row scales, if any), the output rows split over threads unless `serial`.
 template <typename W>
-void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out) {
+void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out,
+                  bool serial = false) {
   const int64_t m_size = xc.size(0);
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -98,7 +99,11 @@ void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_
   // Blocks of 16 output rows: enough work per task to hide the scheduling, and fine enough that
   // the last tasks do not leave a core idle.
   constexpr int64_t kBlock = 16;
-  at::parallel_for(0, (n_size + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+  const int64_t blocks = (n_size + kBlock - 1) / kBlock;
+  // Serial: a grain of every block keeps the loop on the calling thread. Where OpenMP's idle
+  // threads sleep (OMP_WAIT_POLICY=PASSIVE, as `pdserve up` sets), waking them costs more than a
+  // small weight takes to read.
+  at::parallel_for(0, blocks, serial ? blocks : 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlock, n1 = std::min(n_size, n0 + kBlock);
       const float* scale = sp != nullptr ? sp + n0 : nullptr;
@@ -125,14 +130,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, bool serial) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "f32_linear: x must be a 2-D float32 tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "f32_linear: weight must be a contiguous 2-D float32 tensor");
   TORCH_CHECK(x.size(1) == weight.size(1), "f32_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({xc.size(0), weight.size(0)}, x.options());
-  small_linear(xc, weight.data_ptr<float>(), static_cast<const float*>(nullptr), weight.size(0), weight.size(1), out);
+  small_linear(xc, weight.data_ptr<float>(), static_cast<const float*>(nullptr), weight.size(0), weight.size(1), out,
+               serial);
   return out;
 }
 
@@ -142,7 +148,7 @@ bool int8_linear_vectorized() { return PDSERVE_INT8_AVX2; }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("f32_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool");
 }
 
