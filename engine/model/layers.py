@@ -98,14 +98,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     if quantized is not None:  # an int8 weight (engine/model/quant.py): the float one is gone
         y = quantized(x)
         return y if bias is None else y + bias
-    if one_row is not None and x.dim() == 2 and x.shape[0] == 1:
-        if one_row in ("kernel", "kernel_serial"):
-            y = torch.ops.pdserve_cpu.f32_linear(x, weight, one_row == "kernel_serial")
-            return y if bias is None else y + bias
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    one_row = one_row if x.dim() == 2 and x.shape[0] == 1 else None
+    if one_row in ("kernel", "kernel_serial"):
+        y = torch.ops.pdserve_cpu.f32_linear(x, weight, one_row == "kernel_serial")
+        return y if bias is None else y + bias
     if packed is not None:
         low, high = PACKED_ROWS[weight.dtype]
-        if low <= x.shape[0] <= high:
+        if one_row == "packed" or low <= x.shape[0] <= high:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     elif (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
           and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and bf16_is_emulated()):

@@ -25,11 +25,10 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model import fused
-from pdserve.engine.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pdserve.engine.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 log = logging.getLogger("pdserve.engine.loader")
 
@@ -63,17 +62,24 @@ def single_row_groups(model: nn.Module) -> dict[tuple[int, int, torch.dtype], li
     return groups
 
 
-def candidates(modules: list[nn.Module], x: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """Every path that can compute one row through these modules' weights: name -> a pass over them."""
-    paths: dict[str, Callable[[], None]] = {"plain": lambda: [F.linear(x, m.weight) for m in modules]}
+def candidates(modules: list[nn.Module], x: torch.Tensor) -> list[str]:
+    """The `one_row` paths of layers.linear that can compute one row through all these modules'
+    weights (F.linear, the default, always can)."""
+    paths = []
     if all(m.packed_weight is not None for m in modules):
-        paths["packed"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, m.packed_weight, None, "none", [], "")
-                                   for m in modules]
+        paths.append("packed")
     if (x.dtype == torch.float32 and all(m.weight.is_contiguous() for m in modules)
             and fused.cpu_kernels_ready()):
-        paths["kernel"] = lambda: [torch.ops.pdserve_cpu.f32_linear(x, m.weight) for m in modules]
-        paths["kernel_serial"] = lambda: [torch.ops.pdserve_cpu.f32_linear(x, m.weight, True) for m in modules]
+        paths += ["kernel", "kernel_serial"]
     return paths
+
+
+def one_pass(modules: list[nn.Module], x: torch.Tensor, path: str | None) -> Callable[[], None]:
+    """One row through every module by `path` (None: F.linear), as the model's forward runs it."""
+    def run() -> None:
+        for m in modules:
+            linear(x, m.weight, None, m.packed_weight if path else None, one_row=path)
+    return run
 
 
 def tune_single_row(model: nn.Module, rounds: int = ROUNDS) -> dict[str, tuple[str, float]]:
@@ -84,16 +90,17 @@ def tune_single_row(model: nn.Module, rounds: int = ROUNDS) -> dict[str, tuple[s
     for (rows, cols, dtype), modules in single_row_groups(model).items():
         timed = modules[:MAX_MODULES]
         x = torch.randn(1, cols, generator=torch.Generator().manual_seed(0)).to(dtype)  # not the global RNG
-        paths = candidates(timed, x)
-        if len(paths) == 1:
+        others = candidates(timed, x)
+        if not others:
             continue
+        runs = {path: one_pass(timed, x, path) for path in (None, *others)}
         # Alternated, so a slow spell of the machine falls on every path.
-        best = {name: float("inf") for name in paths}
+        best = {path: float("inf") for path in runs}
         for _ in range(2):
-            for name, run in paths.items():
-                best[name] = min(best[name], _median_s(run, rounds))
-        other = min((name for name in paths if name != "plain"), key=best.__getitem__)
-        ratio = best["plain"] / best[other]
+            for path, run in runs.items():
+                best[path] = min(best[path], _median_s(run, rounds))
+        other = min(others, key=best.__getitem__)
+        ratio = best[None] / best[other]
         found[f"{rows}x{cols}"] = (other, ratio)
         if ratio >= MARGIN:
             for m in modules:

@@ -194,15 +194,15 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange.chunks.clear()
         return await self.place(exchange, raw, trailers=trailers)
 
-    def refuse(self, exchange: Exchange, model: str, exc: APIError) -> pb.ProcessingResponse:
+    def refuse(self, exchange: Exchange, exc: APIError) -> pb.ProcessingResponse:
         exchange.placed = True
         code = exc.code or str(exc.status)
+        model = self.settings.model
         self.metrics.request_errors.labels(model, model, code).inc()
         self.duration.observe(time.perf_counter() - exchange.started)
         return messages.immediate(exc.status, exc.message, exc.code, exc.param)
 
-    def placed(self, exchange: Exchange, model: str, answer: pb.ProcessingResponse,
-               destination: str) -> pb.ProcessingResponse:
+    def placed(self, exchange: Exchange, answer: pb.ProcessingResponse, destination: str) -> pb.ProcessingResponse:
         exchange.placed = True
         self.served.inc()
         self.metrics.picks.labels(destination.split(",", 1)[0]).inc()
@@ -214,13 +214,12 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         return APIError(503, f"No ready endpoint {where} for model `{self.settings.model}`.", code="no_endpoints")
 
     def place_bodiless(self, exchange: Exchange) -> pb.ProcessingResponse:
-        model = self.settings.model
         candidates = self.state.candidates(self.state.pools.decode, exchange.subset)
         if not candidates:
-            return self.refuse(exchange, model, self.no_endpoint(exchange.subset))
+            return self.refuse(exchange, self.no_endpoint(exchange.subset))
         choice = self.state.any_of(candidates)
         answer = messages.routed("request_headers", choice.header, {}, OWNED_HEADERS)
-        return self.placed(exchange, model, answer, choice.header)
+        return self.placed(exchange, answer, choice.header)
 
     async def place(self, exchange: Exchange, raw: bytes, too_large: int | None = None,
                     trailers: bool = False) -> list[pb.ProcessingResponse]:
@@ -236,13 +235,13 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             body = read_json(raw, settings.max_body_bytes)
             check_model(body, settings.model)
         except APIError as exc:
-            return [self.refuse(exchange, model, exc)]
+            return [self.refuse(exchange, exc)]
         candidates = state.candidates(pool, exchange.subset)
         if not candidates:
-            return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
+            return [self.refuse(exchange, self.no_endpoint(exchange.subset))]
         priority = settings.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
         if priority < 0 and state.saturated(candidates, pool):
-            return [self.refuse(exchange, model, APIError(
+            return [self.refuse(exchange, APIError(
                 429, "The pool is saturated and this request's objective is sheddable; retry later.",
                 code="rate_limit_exceeded"))]
         route = route_of(exchange.path)
@@ -263,7 +262,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             # Re-read after the prefill leg: an endpoint may have been ejected meanwhile.
             candidates = state.candidates(pool, exchange.subset)
             if not candidates:
-                return [self.refuse(exchange, model, self.no_endpoint(exchange.subset))]
+                return [self.refuse(exchange, self.no_endpoint(exchange.subset))]
         # With a hold the KV comes from the prefill engine: no prefix bonus, as the router does.
         choice = state.choose(pool, candidates, None if hold is not None else routed)
         extra: dict[str, str] = {}
@@ -277,11 +276,11 @@ class Processor(pb_grpc.ExternalProcessorServicer):
                 extra[INTERNAL_HEADER.lower()] = settings.internal_key.decode()
         if not exchange.duplex:
             answer = messages.routed("request_body", choice.header, extra, OWNED_HEADERS, new_body)
-            return [self.placed(exchange, model, answer, choice.header)]
+            return [self.placed(exchange, answer, choice.header)]
         # Duplex: the mutations and the pick ride on the headers' answer; the body (changed or
         # not) must be sent back, or the engine would get an empty one.
         answer = messages.routed("request_headers", choice.header, extra, OWNED_HEADERS)
-        return [self.placed(exchange, model, answer, choice.header),
+        return [self.placed(exchange, answer, choice.header),
                 messages.streamed_body(new_body if new_body is not None else raw, last=not trailers)]
 
     # -- P/D -------------------------------------------------------------------------------------

@@ -102,6 +102,11 @@ void check_rows(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(), name, " must match x");
 }
 
+void check_norm_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [hidden] tensor of x's dtype");
+}
+
 template <typename F>
 void dispatch_float_bf16(at::ScalarType type, const char* op, F&& f) {
   switch (type) {
@@ -117,8 +122,7 @@ void dispatch_float_bf16(at::ScalarType type, const char* op, F&& f) {
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, x, "x");
   check_rows(residual, x, "residual");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be a contiguous [hidden] tensor of x's dtype");
+  check_norm_weight(weight, x);
   dispatch_float_bf16(x.scalar_type(), "fused_add_rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(), residual.stride(0),
@@ -129,8 +133,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_rows(x, x, "x");
   check_rows(out, x, "out");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
-              "weight must be a contiguous [hidden] tensor of x's dtype");
+  check_norm_weight(weight, x);
   dispatch_float_bf16(x.scalar_type(), "rms_norm", [&](auto zero) {
     using scalar_t = decltype(zero);
     rms_norm_rows<scalar_t>(const_cast<scalar_t*>(x.data_ptr<scalar_t>()), x.stride(0), nullptr, 0,
