@@ -5,8 +5,9 @@ prefill_body: max_tokens=1, stream=false, kv_transfer_params={"do_remote_decode"
 internal key, and hands the decode engine the client's body plus the `kv_transfer_params` it got
 back. The same fallbacks as the router: a prefill that fails, is refused by the engine for the
 picker's sake (401/403) or times out leaves the decode engine to compute the prompt; a 4xx about
-the request itself is the client's answer; a hold that no decode leg will take (the stream ended
-before the picker answered) is released at once (router/release.py).
+the request itself is the client's answer; a hold whose answer never went out (the stream failed
+between the prefill leg and the answer) is released at once (router/release.py); once the answer
+is handed to gRPC the KV is the decode leg's, even if Envoy then resets the stream.
 """
 
 from __future__ import annotations

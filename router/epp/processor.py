@@ -113,9 +113,14 @@ class Processor(pb_grpc.ExternalProcessorServicer):
         exchange = Exchange()
         try:
             async for message in requests:
-                for answer in await self.answer(exchange, message):
+                answers = await self.answer(exchange, message)
+                # Handed to gRPC, the answers carry the hold to the decode leg. Envoy resets the
+                # stream as soon as it has them, which can close this generator at a `yield` below
+                # after they went out: releasing then would free the KV the decode engine is about
+                # to pull.
+                exchange.hold = None
+                for answer in answers:
                     yield answer
-                exchange.hold = None  # sent: the decode leg owns the prefill's blocks now
                 if exchange.placed:
                     # Placed or refused: nothing the gateway could still send needs the picker (its
                     # response phases would only get CONTINUE). Ending the stream now, with OK,
@@ -135,7 +140,7 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"endpoint picker error (error id {error_id})")
         finally:
             if exchange.hold is not None and exchange.routed is not None and self.prefill_leg is not None:
-                self.prefill_leg.release(exchange.hold, exchange.routed, "the ext_proc stream ended first")
+                self.prefill_leg.release(exchange.hold, exchange.routed, "the ext_proc stream failed before its answer went out")
 
     # -- one message -----------------------------------------------------------------------------
 
