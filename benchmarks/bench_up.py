@@ -181,6 +181,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repetitions", type=int, default=2, help="one-stream repetitions per system")
     parser.add_argument("--streams", type=int, default=16, help="concurrency of the throughput run")
     parser.add_argument("--no-before", action="store_true", help="skip the row with the defaults before issue 20")
+    parser.add_argument("--env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                        help="one more `pdserve up` row run with these environment variables (repeatable), "
+                             "e.g. GOMP_SPINCOUNT=20000 to try OpenMP's bounded spin against the default wait policy")
     args = parser.parse_args(argv)
     from pdserve.engine.demo import resolve_model
 
@@ -195,6 +198,9 @@ def main(argv: list[str]) -> None:
         # Before issue 20: every engine an equal share of the cores, and a 256-token prompt disaggregated.
         systems.append(System("pdserve up, one thread per engine (before)", "up",
                               args=("--engine-threads", "split", "--pd-when", "always")))
+    for spec in args.env:
+        env = dict(item.split("=", 1) for item in spec.split(","))
+        systems.append(System(f"pdserve up, {spec}", "up", env=env))
 
     measure(systems, model, workdir, per_rep, args.repetitions, args.streams, many_requests)
     rows = table(systems, args.streams)

@@ -101,11 +101,10 @@ class LocalTokenizer:
     once: it mutates its settings per call)."""
 
     def __init__(self, path: str, threads: int = TOKENIZE_THREADS) -> None:
-        from transformers import AutoTokenizer
-
+        from pdserve.engine.frontend.tokenizer import auto_tokenizer
         from pdserve.engine.server.tools import template_knows_tools
 
-        instances = [AutoTokenizer.from_pretrained(path) for _ in range(threads)]
+        instances = [auto_tokenizer(path) for _ in range(threads)]
         self.char_limit = derived_char_limit(path, instances[0])
         self.knows_tools = template_knows_tools(instances[0])  # else the engines describe tools in the messages
         self._idle: queue.SimpleQueue = queue.SimpleQueue()

@@ -18,11 +18,15 @@ the last bits; PDSERVE_TUNE_LINEAR=0 keeps the fixed rule (reproducible across m
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import statistics
+import tempfile
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -108,11 +112,31 @@ def tune_single_row(model: nn.Module, rounds: int = ROUNDS) -> dict[str, tuple[s
     return found
 
 
+@contextlib.contextmanager
+def machine_wide_turn() -> Iterator[None]:
+    """One engine on this machine times its matmuls at a time. Engines that start together
+    (`pdserve up`: a prefill and a decode engine, or data-parallel ranks) would otherwise time
+    them while competing for the same cores, and choose from numbers that hold for neither."""
+    path = Path(tempfile.gettempdir()) / "pdserve-linear-tuning.lock"
+    try:
+        handle = open(path, "a")
+    except OSError:  # an unwritable temp folder: time without the turn rather than not start
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def maybe_tune(model: nn.Module) -> None:
     if os.environ.get("PDSERVE_TUNE_LINEAR", "1") == "0":
         return
-    began = time.perf_counter()
-    found = tune_single_row(model)
+    with machine_wide_turn():
+        began = time.perf_counter()
+        found = tune_single_row(model)
     if found:
         log.info("single-row matmuls: %s (F.linear time / the path's; below %.2f keeps F.linear) in %.2fs",
                  ", ".join(f"{shape} {path} {ratio:.2f}" for shape, (path, ratio) in found.items()), MARGIN,

@@ -76,3 +76,27 @@ def test_tuning_can_be_turned_off_and_leaves_the_global_rng_alone(monkeypatch):
     torch.manual_seed(5)
     linear_tuning.maybe_tune(model)  # really timed: whichever it picks, seeded sampling must not shift
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_engines_on_one_machine_time_their_matmuls_one_at_a_time(monkeypatch, tmp_path):
+    """Two engines starting together (pdserve up) take turns: one times while the other waits, so
+    neither chooses from timings taken while the other competed for the cores."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(linear_tuning.tempfile, "gettempdir", lambda: str(tmp_path))
+    # Another process (as another engine would) holds the turn for a second.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(1.0)"), str(tmp_path / "pdserve-linear-tuning.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        began = time.monotonic()
+        with linear_tuning.machine_wide_turn():
+            waited = time.monotonic() - began  # the turn came only once the other let go (by exiting)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waited > 0.5
