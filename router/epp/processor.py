@@ -140,7 +140,8 @@ class Processor(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"endpoint picker error (error id {error_id})")
         finally:
             if exchange.hold is not None and exchange.routed is not None and self.prefill_leg is not None:
-                self.prefill_leg.release(exchange.hold, exchange.routed, "the ext_proc stream failed before its answer went out")
+                self.prefill_leg.release(exchange.hold, exchange.routed,
+                                         "the ext_proc stream failed before its answer went out")
 
     # -- one message -----------------------------------------------------------------------------
 
