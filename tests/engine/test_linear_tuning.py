@@ -8,6 +8,9 @@ with tuning on still matches transformers (the parity tests load that way).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -81,10 +84,6 @@ def test_tuning_can_be_turned_off_and_leaves_the_global_rng_alone(monkeypatch):
 def test_engines_on_one_machine_time_their_matmuls_one_at_a_time(monkeypatch, tmp_path):
     """Two engines starting together (pdserve up) take turns: one times while the other waits, so
     neither chooses from timings taken while the other competed for the cores."""
-    import subprocess
-    import sys
-    import time
-
     monkeypatch.setattr(linear_tuning.tempfile, "gettempdir", lambda: str(tmp_path))
     # Another process (as another engine would) holds the turn for a second.
     holder = subprocess.Popen([sys.executable, "-c", (
