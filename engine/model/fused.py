@@ -102,6 +102,10 @@ def use_reference(enabled: bool = True) -> None:
     _reference_only = enabled
 
 
+def reference_only() -> bool:
+    return _reference_only
+
+
 def _path(t: torch.Tensor) -> str:
     """'cpu', 'triton' or 'eager' for an op on t."""
     if _reference_only or t.dtype not in KERNEL_DTYPES:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from pdserve.engine.model import fused
+from pdserve.engine.model import decode_call, fused
 from pdserve.engine.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 log = logging.getLogger("pdserve.engine.loader")
@@ -109,6 +109,7 @@ def tune_single_row(model: nn.Module, rounds: int = ROUNDS) -> dict[str, tuple[s
         if ratio >= MARGIN:
             for m in modules:
                 m.one_row = other
+    decode_call.forget(model)  # its matmul paths were read from one_row
     return found
 
 

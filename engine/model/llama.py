@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import fused
+from pdserve.engine.model import decode_call, fused
 from pdserve.engine.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -95,6 +95,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, attend: AttentionFn, write_kv: WriteKVFn) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        one_call = decode_call.call_for(self, meta, positions, attend, write_kv)
+        if one_call is not None:  # a decode step on the CPU: every layer in one C++ call
+            plan, paths = one_call
+            return plan.run(x, positions, kv_caches, meta, paths)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta, attend, write_kv)

@@ -1,0 +1,144 @@
+"""A decode step's decoder layers in one C++ call (engine/attention/csrc/cpu_decode_step.cpp).
+
+At one row per request a layer is ten small ops, and from Python each costs a module call, the
+fused ops' checks and a dispatcher trip: about a quarter of a one-stream decode step on a 2-core
+CPU. The C++ loop runs the same kernels in the same order, so its output is the layer-by-layer
+path's to the bit; this module decides when that loop can stand in for the modules:
+
+- a step of decodes only (one token per request), on the CPU, with our kernels built;
+- the CPU attention backend and the fused KV write (what model_runner picks with the kernels);
+- one tensor-parallel rank (the loop has no all-reduce), no int8 weights, and, per weight, a
+  matmul path the loop has (`linear_path`: not the widened bf16 one of AVX2 CPUs at 16+ rows).
+
+Anything else runs the modules, as does every step with PDSERVE_DECODE_CALL=0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.distributed import tp_size
+from pdserve.engine.model import fused
+from pdserve.engine.model.layers import (
+    PACKED_ROWS,
+    WIDEN_MIN_ROWS,
+    bf16_is_emulated,
+)
+
+# layers.linear's paths, numbered as the C++ loop's LinearPath.
+LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3}
+
+
+def linear_path(module: nn.Module, rows: int) -> str | None:
+    """The path layers.linear takes through `module` for `rows` rows of input, or None where it is
+    one the C++ loop does not have (int8 weights, widened bf16)."""
+    if module.quantized is not None:
+        return None
+    if rows == 1 and module.one_row in ("kernel", "kernel_serial"):
+        return module.one_row
+    weight = module.weight
+    if module.packed_weight is not None:
+        low, high = PACKED_ROWS[weight.dtype]
+        return "packed" if (rows == 1 and module.one_row == "packed") or low <= rows <= high else "torch"
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows >= WIDEN_MIN_ROWS and bf16_is_emulated():
+        return None
+    return "torch"
+
+
+@dataclass
+class DecodeCall:
+    """What the loop reads of a model, gathered once; the matmul paths per row count."""
+
+    norms: list[torch.Tensor]
+    linears: list[nn.Module]  # qkv, o, gate_up, down of each layer, in order
+    weights: list[torch.Tensor]
+    packed: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    paths: dict[int, list[int] | None] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "DecodeCall":
+        """`model` is a LlamaModel (its layers, norms and rotary table)."""
+        layers = list(model.layers)
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        attn = layers[0].self_attn
+        return cls(norms=norms + [model.norm.weight], linears=linears, weights=[m.weight for m in linears],
+                   packed=[m.packed_weight for m in linears], biases=[m.bias for m in linears],
+                   cos=attn.rotary.cos, sin=attn.rotary.sin, rotary_dim=attn.rotary.rotary_dim,
+                   num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                   scale=attn.scale, eps=model.norm.eps)
+
+    def paths_for(self, rows: int) -> list[int] | None:
+        if rows not in self.paths:
+            named = [linear_path(m, rows) for m in self.linears]
+            self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
+        return self.paths[rows]
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            meta: AttentionMetadata, paths: list[int]) -> torch.Tensor:
+        return torch.ops.pdserve_cpu.decode_layers(
+            hidden, positions, self.norms, self.weights, self.packed, self.biases, paths, kv_caches,
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, self.cos, self.sin, self.rotary_dim,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+
+
+def enabled() -> bool:
+    return os.environ.get("PDSERVE_DECODE_CALL", "1") != "0"
+
+
+def model_fits(model: nn.Module) -> bool:
+    """Whether the loop can run this model at all (per-step conditions are checked in `call_for`)."""
+    norm = model.norm.weight
+    if norm.device.type != "cpu" or norm.dtype not in fused.KERNEL_DTYPES or tp_size() != 1:
+        return False
+    if not fused.cpu_kernels_ready() or not hasattr(torch.ops.pdserve_cpu, "decode_layers"):
+        return False
+    return all(p.dtype == norm.dtype for p in model.parameters())
+
+
+def call_for(model: nn.Module, meta: AttentionMetadata, positions: torch.Tensor, attend: Any,
+             write_kv: Any) -> tuple[DecodeCall, list[int]] | None:
+    """The loop and its matmul paths for this step, or None when the modules must run it."""
+    if not enabled() or meta.num_decodes != meta.num_tokens or meta.num_tokens == 0 or fused.reference_only():
+        return None
+    from pdserve.engine.attention import cpu_attention, torch_paged
+
+    # Through functools.wraps wrappers: the step profiler labels these functions and must time the
+    # path that really runs.
+    attend, write_kv = inspect.unwrap(attend), inspect.unwrap(write_kv)
+    if attend is not cpu_attention.paged_attention or write_kv not in (torch_paged.write_kv, fused.write_kv):
+        return None
+    if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
+        return None
+    plan = getattr(model, "_decode_call", None)
+    if plan is None:
+        plan = DecodeCall.of(model) if model_fits(model) else False
+        model._decode_call = plan
+    if plan is False:
+        return None
+    paths = plan.paths_for(meta.num_tokens)
+    return None if paths is None else (plan, paths)
+
+
+def forget(model: nn.Module) -> None:
+    """Drop what was gathered (weights repacked, matmul paths re-tuned): the next step gathers again."""
+    for module in model.modules():
+        if hasattr(module, "_decode_call"):
+            del module._decode_call

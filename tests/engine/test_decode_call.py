@@ -1,0 +1,140 @@
+"""A decode step's layers in one C++ call (engine/model/decode_call.py) computes, to the bit, what
+the layer-by-layer modules compute, for every matmul path a weight can take, and steps it cannot
+run go through the modules.
+
+Each model forward is run twice, the loop allowed and then not (the KV writes of the second run
+store the same values at the same slots); the hidden states must be equal, not close.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model import decode_call, llama
+from pdserve.engine.model.layers import packing_supported
+
+pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1",
+                                reason="CPU kernels disabled by PDSERVE_DISABLE_CPU_KERNELS=1")
+
+
+class Twice:
+    """Wraps LlamaModel.forward: each call runs with the loop allowed, then with it refused, and
+    records whether the loop ran and whether both results are the same bits."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.one_call_steps = 0
+        self.module_steps = 0
+        self.mismatches: list[str] = []
+        original = llama.LlamaModel.forward
+        ran = decode_call.DecodeCall.run
+
+        def run(plan, *args, **kwargs):
+            self.one_call_steps += 1
+            return ran(plan, *args, **kwargs)
+
+        def forward(model, input_ids, positions, kv_caches, meta, attend, write_kv):
+            before = self.one_call_steps
+            monkeypatch.setenv("PDSERVE_DECODE_CALL", "1")
+            first = original(model, input_ids, positions, kv_caches, meta, attend, write_kv).clone()
+            if self.one_call_steps == before:
+                self.module_steps += 1
+                return first
+            monkeypatch.setenv("PDSERVE_DECODE_CALL", "0")
+            second = original(model, input_ids, positions, kv_caches, meta, attend, write_kv)
+            monkeypatch.setenv("PDSERVE_DECODE_CALL", "1")
+            if not torch.equal(first, second):
+                self.mismatches.append(f"{meta.num_tokens} rows: max difference {(first - second).abs().max()}")
+            return second
+
+        monkeypatch.setattr(decode_call.DecodeCall, "run", run)
+        monkeypatch.setattr(llama.LlamaModel, "forward", forward)
+
+
+def prompts(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randrange(3, 40))]} for _ in range(count)]
+
+
+def set_paths(llm: LLM, path: str | None) -> torch.nn.Module:
+    model = llm.engine.client.engine_core.executor.worker.runner.model
+    for module in model.modules():
+        if hasattr(module, "one_row"):
+            module.one_row = path
+    decode_call.forget(model)
+    return model
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3_rope"])
+@pytest.mark.parametrize("path", [None, "packed", "kernel", "kernel_serial"])
+def test_one_call_equals_the_modules_for_every_single_row_path(model_dir, monkeypatch, name, path):
+    if path == "packed" and not packing_supported(torch.float32):
+        pytest.skip("no oneDNN weight packing in this torch")
+    llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=128)
+    try:
+        set_paths(llm, path)
+        twice = Twice(monkeypatch)
+        llm.generate(prompts(1, seed=1), GREEDY)  # one row per decode step
+        llm.generate(prompts(5, seed=2), GREEDY)  # several rows: packed or F.linear by the row count
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps >= 20 and twice.module_steps >= 2  # prefills run the modules
+    assert twice.mismatches == []
+
+
+def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch):
+    llm = LLM(model_dir("qwen2"), dtype="bfloat16", num_kv_blocks=128)
+    try:
+        twice = Twice(monkeypatch)
+        llm.generate(prompts(1, seed=3), GREEDY)
+        llm.generate(prompts(3, seed=4), GREEDY)
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps >= 20 and twice.mismatches == []
+
+
+def test_int8_weights_go_through_the_modules(model_dir, monkeypatch):
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=128, quantization="int8")
+    try:
+        twice = Twice(monkeypatch)
+        outputs = llm.generate(prompts(2, seed=5), GREEDY)
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps == 0 and twice.module_steps >= 12  # every decode step too
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
+def test_pdserve_decode_call_0_turns_the_loop_off(model_dir, monkeypatch):
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=128)
+    try:
+        monkeypatch.setenv("PDSERVE_DECODE_CALL", "0")
+        runner = llm.engine.client.engine_core.executor.worker.runner
+        calls = []
+        monkeypatch.setattr(decode_call.DecodeCall, "run", lambda *a, **k: calls.append(a))
+        outputs = llm.generate(prompts(2, seed=5), GREEDY)
+        assert calls == [] and getattr(runner.model.model, "_decode_call", None) is None
+    finally:
+        llm.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
+def test_linear_path_mirrors_the_rule_of_layers_linear(model_dir):
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=64)
+    try:
+        model = set_paths(llm, "kernel_serial")
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert decode_call.linear_path(qkv, 1) == "kernel_serial"
+        expected_many = "packed" if qkv.packed_weight is not None else "torch"
+        assert decode_call.linear_path(qkv, 16) == expected_many
+        qkv.one_row = "packed" if qkv.packed_weight is not None else None
+        assert decode_call.linear_path(qkv, 1) == ("packed" if qkv.packed_weight is not None else "torch")
+        assert decode_call.linear_path(qkv, 4096) == "torch"  # a big batch: F.linear beats oneDNN's packing
+    finally:
+        llm.shutdown()
