@@ -327,7 +327,7 @@ def test_status_on_a_tty_is_redrawn_in_place():
     view.close()
 
 
-def test_engines_share_every_core_with_sleeping_idle_threads_unless_the_user_set_them(monkeypatch):
+def test_engines_share_every_core_with_sleeping_idle_threads_but_a_lone_decode_engine_unless_the_user_set_them(monkeypatch):
     from pdserve.up import engine_thread_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -357,6 +357,14 @@ def test_engines_share_every_core_with_sleeping_idle_threads_unless_the_user_set
         others = [c for c in plan.components if "-" not in c.name]
         assert len(engines) == 3 and all(c.env == env for c in engines)
         assert all(c.env == () for c in others)  # the router and coordinator keep their defaults
+
+    # A lone decode engine beside prefill engines keeps spinning; the prefill engines sleep.
+    plan = plan_for("--prefill", "1", "--decode", "1")
+    env = {c.name: c.env for c in plan.components if "-" in c.name}
+    assert env == {"prefill-0": (("OMP_NUM_THREADS", str(cores)), passive),
+                   "decode-0": (("OMP_NUM_THREADS", str(cores)),)}
+    assert engine_thread_env(2, 1, cores=2, environ={"OMP_WAIT_POLICY": "PASSIVE"}, spin=True) == (
+        ("OMP_NUM_THREADS", "2"),)  # the user's PASSIVE is in their environment, which engines inherit
 
 
 @pytest.mark.parametrize("argv, busy_only", [
