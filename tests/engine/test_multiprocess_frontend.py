@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -82,9 +83,13 @@ def test_offline_llm_with_the_core_in_a_background_process(model_dir):
         assert stats["num_generation_tokens"] == 48 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
         assert llm.reset_prefix_cache() is True
         proc = llm.engine.client.proc
+        sockets = [a[len("ipc://"):] for a in (llm.engine.client.input_address, llm.engine.client.output_address)]
+        assert all(os.path.exists(s) for s in sockets)
     finally:
         llm.shutdown()
     assert not proc.is_alive() and proc.exitcode == 0
+    # The socket files go with the engine (the handshake's as soon as it is done): none pile up in /tmp.
+    assert not any(os.path.exists(s) for s in sockets)
 
 
 def test_sigterm_to_the_engine_core_finishes_in_flight_requests_and_refuses_new_ones(model_dir):
