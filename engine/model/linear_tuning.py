@@ -6,7 +6,7 @@ its cost, and how fast a path streams it depends on the shape and the CPU. Measu
 EPYC with the weights coming from memory, MKL's gemv (F.linear, the default rule) reads 11-19
 GB/s, oneDNN's packed layout 12-26 GB/s, and our AVX2 kernel (csrc/cpu_int8_linear.cpp's
 `f32_linear`) 20-29 GB/s, with the order changing from shape to shape. Where OpenMP's idle
-threads sleep (OMP_WAIT_POLICY=PASSIVE, `pdserve up`'s setting) a parallel kernel pays a wake-up
+threads sleep (OMP_WAIT_POLICY=PASSIVE, `pdserve up`'s prefill engines) a parallel kernel pays a wake-up
 per call, so the kernel is also timed on the calling thread alone. So each distinct weight
 shape is timed every available way, once, on the model's own weights (its layers in turn, so the
 weights come from memory as in a real step, not from cache), and its modules take the fastest

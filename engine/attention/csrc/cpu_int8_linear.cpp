@@ -39,12 +39,6 @@ inline __m256 load8(const int8_t* p) {
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-// 8 bfloat16 weights widened to 8 floats: a bfloat16 is a float's upper 16 bits.
-inline __m256 load8(const at::BFloat16* p) {
-  __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
 #endif
 
 // out[m][n] = scale[n] * sum_k x[m][k] * w[n][k] for NR rows of w from n and MR rows of x from m
@@ -107,8 +101,8 @@ void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_
   constexpr int64_t kBlock = 16;
   const int64_t blocks = (n_size + kBlock - 1) / kBlock;
   // Serial: a grain of every block keeps the loop on the calling thread. Where OpenMP's idle
-  // threads sleep (OMP_WAIT_POLICY=PASSIVE, as `pdserve up` sets), waking them costs more than a
-  // small weight takes to read.
+  // threads sleep (OMP_WAIT_POLICY=PASSIVE, as `pdserve up` sets for prefill engines), waking
+  // them costs more than a small weight takes to read.
   at::parallel_for(0, blocks, serial ? blocks : 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlock, n1 = std::min(n_size, n0 + kBlock);
@@ -148,21 +142,6 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, bool serial
   return out;
 }
 
-// A bfloat16 weight read as such (half of float32's bytes) and widened in registers; x is widened
-// once, the sums are float32 and rounded to bfloat16 at the end, as torch's bfloat16 matmul does.
-// On CPUs without bfloat16 hardware torch's own single-row path streams the weight slower.
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight, bool serial) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_linear: x must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "bf16_linear: weight must be a contiguous 2-D bfloat16 tensor");
-  TORCH_CHECK(x.size(1) == weight.size(1), "bf16_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
-  small_linear(xf, weight.data_ptr<at::BFloat16>(), static_cast<const float*>(nullptr), weight.size(0),
-               weight.size(1), out, serial);
-  return out.to(at::kBFloat16);
-}
-
 bool int8_linear_vectorized() { return PDSERVE_INT8_AVX2; }
 
 }  // namespace
@@ -170,14 +149,12 @@ bool int8_linear_vectorized() { return PDSERVE_INT8_AVX2; }
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("f32_linear", &f32_linear);
-  m.impl("bf16_linear", &bf16_linear);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("int8_linear_vectorized", &int8_linear_vectorized); }
