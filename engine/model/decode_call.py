@@ -15,7 +15,6 @@ Anything else runs the modules, as does every step with PDSERVE_DECODE_CALL=0.
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,9 +119,9 @@ def call_for(model: nn.Module, meta: AttentionMetadata, positions: torch.Tensor,
         return None
     from pdserve.engine.attention import cpu_attention, torch_paged
 
-    # Through functools.wraps wrappers: the step profiler labels these functions and must time the
-    # path that really runs.
-    attend, write_kv = inspect.unwrap(attend), inspect.unwrap(write_kv)
+    # Through the step profiler's labels (and nothing else that wraps them): it must time the path
+    # that really runs.
+    attend, write_kv = _unlabelled(attend), _unlabelled(write_kv)
     if attend is not cpu_attention.paged_attention or write_kv not in (torch_paged.write_kv, fused.write_kv):
         return None
     if positions.dtype != torch.int64 or meta.slot_mapping.dtype != torch.int64:
@@ -135,6 +134,10 @@ def call_for(model: nn.Module, meta: AttentionMetadata, positions: torch.Tensor,
         return None
     paths = plan.paths_for(meta.num_tokens)
     return None if paths is None else (plan, paths)
+
+
+def _unlabelled(fn: Any) -> Any:
+    return fn.__wrapped__ if getattr(fn, "only_labels", False) else fn
 
 
 def forget(model: nn.Module) -> None:

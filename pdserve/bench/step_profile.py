@@ -160,6 +160,7 @@ def labelled(fn: Callable, category: str) -> Callable:
     def wrapper(*args, **kwargs):
         with record_function(name):
             return fn(*args, **kwargs)
+    wrapper.only_labels = True  # changes nothing it wraps: decode_call may look through it
     return wrapper
 
 

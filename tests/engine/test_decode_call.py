@@ -138,3 +138,35 @@ def test_linear_path_mirrors_the_rule_of_layers_linear(model_dir):
         assert decode_call.linear_path(qkv, 4096) == "torch"  # a big batch: F.linear beats oneDNN's packing
     finally:
         llm.shutdown()
+
+
+def test_the_step_profilers_labels_keep_the_loop_but_other_wrappers_do_not(model_dir, monkeypatch):
+    """The profiler must time the path that really runs; a wrapper that may do more than label (a
+    KV saver, say) must see every layer's call."""
+    import functools
+
+    from pdserve.bench.step_profile import labelled
+
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=128)
+    try:
+        runner = llm.engine.client.engine_core.executor.worker.runner
+        backend = runner.backend
+        twice = Twice(monkeypatch)
+        runner.backend = type(backend)(backend.plan, labelled(backend.attend, "attention"),
+                                       labelled(backend.write_kv, "kv_write"))
+        llm.generate(prompts(1, seed=6), GREEDY)
+        assert twice.one_call_steps >= 10 and twice.mismatches == []
+
+        seen = []
+
+        @functools.wraps(backend.write_kv)
+        def saving(*args, **kwargs):
+            seen.append(args[0].shape[0])
+            return backend.write_kv(*args, **kwargs)
+
+        runner.backend = type(backend)(backend.plan, backend.attend, saving)
+        before = twice.one_call_steps
+        llm.generate(prompts(1, seed=7), GREEDY)
+        assert twice.one_call_steps == before and len(seen) == 12 * 3  # 12 steps of 3 layers
+    finally:
+        llm.shutdown()
