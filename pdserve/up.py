@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "disaggregated (default: busy, but always with --pd-min-prompt-tokens 0)")
     p.add_argument("--engine-threads", choices=["shared", "split"], default="shared",
                    help="shared: every engine may use all of this machine's cores, and an engine's idle threads "
-                        "sleep rather than spin (OMP_WAIT_POLICY=PASSIVE), except a lone decode engine's, so a lone "
-                        "prefill or decode runs at full speed; split: each engine an equal share of the cores, so engines never compete "
-                        "for one (a user's own OMP_NUM_THREADS wins over either)")
+                        "sleep rather than spin (OMP_WAIT_POLICY=PASSIVE), except a lone decode engine's, so a "
+                        "lone prefill or decode runs at full speed; split: each engine an equal share of the "
+                        "cores, so engines never compete for one (a user's own OMP_NUM_THREADS wins over either)")
     p.add_argument("--routing-policy", choices=["least-loaded", "prefix-aware", "round-robin"])
     p.add_argument("--host", default=LOCAL, help="the router's address (everything else stays on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the endpoint clients call")
@@ -142,8 +142,8 @@ def engine_thread_env(engines: int, tensor_parallel_size: int, cores: int | None
     engine takes the cores another engine is computing on (a prefill beside a decode made both
     many times slower). `spin` keeps OpenMP's default for this engine: for the one decode engine
     beside sleeping prefill engines, whose step is a chain of short parallel matmuls that would
-    each wait for sleeping threads to wake (one-stream ITL 1.2-1.5x serve's instead of 1.03x, for
-    a sixth less throughput at 16 streams on 2 cores). A user's own OMP_NUM_THREADS,
+    each wait for sleeping threads to wake (one-stream ITL 1.2-1.5x serve's instead of 1.03-1.08x, for
+    an eighth less throughput at 16 streams on 2 cores). A user's own OMP_NUM_THREADS,
     OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
     """
     env = os.environ if environ is None else environ

@@ -33,7 +33,8 @@ MODULE_CATEGORIES = {
 
 # Unlabelled ops by name. Substrings, checked in order: the first that matches wins.
 _OP_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("write_kv", "kv_write"), ("scaled_dot_product", "attention"), ("decode_attention", "attention"), ("attention", "attention"),
+    ("write_kv", "kv_write"),
+    ("scaled_dot_product", "attention"), ("decode_attention", "attention"), ("attention", "attention"),
     ("linear", "matmul"), ("addmm", "matmul"), ("aten::mm", "matmul"), ("aten::bmm", "matmul"),
     ("matmul", "matmul"), ("int8pack_mm", "matmul"), ("gemm", "matmul"),
     ("rms_norm", "norm"), ("rotary", "rotary"), ("rotate", "rotary"), ("silu", "act"), ("gelu", "act"),

@@ -327,7 +327,7 @@ def test_status_on_a_tty_is_redrawn_in_place():
     view.close()
 
 
-def test_engines_share_every_core_with_sleeping_idle_threads_but_a_lone_decode_engine_unless_the_user_set_them(monkeypatch):
+def test_engines_share_every_core_with_idle_threads_asleep_but_a_lone_decode_engines_unless_set(monkeypatch):
     from pdserve.up import engine_thread_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
