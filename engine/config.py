@@ -28,7 +28,9 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # auto: the checkpoint's; on CPU half types become bfloat16 only with AMX, else float32
-    quantization: str | None = None  # int8: linear weights stored as int8 with per-output-channel scales (CPU)
+    # auto (or None): a GGUF's Q8_0 weights stay int8 on the CPU, others float; none: all float;
+    # int8: every linear weight int8 with a scale per output row; q8_0: with a scale per 32 weights.
+    quantization: str | None = None
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16
@@ -160,17 +162,26 @@ class ModelConfig:
     eos_token_ids: list[int]
     seed: int = 0
     max_logprobs: int = 20
-    quantization: str | None = None  # None or "int8" (see engine/model/quant.py)
+    quantization: str | None = None  # None, "int8" or "q8_0" (see engine/model/quant.py)
+    # Quantize only the linear layers whose checkpoint tensors were Q8_0 in a GGUF file, and only
+    # where int8 gives those weights back exactly (`quantization auto`).
+    keep_gguf_q8_0: bool = False
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                         tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
                         max_logprobs: int = 20, quantization: str | None = None) -> "ModelConfig":
-        quantization = check_quantization(quantization, device)
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json in model directory {path!r}")
         cfg = json.loads(config_file.read_text())
+        keep_gguf_q8_0 = False
+        if quantization in (None, "auto"):
+            keep_gguf_q8_0 = device == "cpu" and gguf_q8_0_tensors(cfg) > 0
+            quantization = "q8_0" if keep_gguf_q8_0 else None
+            if keep_gguf_q8_0 and dtype == "auto":
+                dtype = "float32"  # the int8 matmuls compute in float32; the rest runs exact alongside
+        quantization = check_quantization(quantization, device)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -209,14 +220,23 @@ class ModelConfig:
             seed=seed,
             max_logprobs=max_logprobs,
             quantization=quantization,
+            keep_gguf_q8_0=keep_gguf_q8_0,
         )
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "q8_0")
+# config.json key under which gguf_convert records each 2-D tensor's GGUF type (HF name -> type name).
+GGUF_TYPES_KEY = "pdserve_gguf_tensor_types"
+
+
+def gguf_q8_0_tensors(cfg: dict[str, Any]) -> int:
+    """How many of a converted GGUF checkpoint's tensors were Q8_0 in the file (0 for other checkpoints)."""
+    types = cfg.get(GGUF_TYPES_KEY)
+    return sum(t == "Q8_0" for t in types.values()) if isinstance(types, dict) else 0
 
 
 def check_quantization(quantization: str | None, device: str) -> str | None:
-    """The validated quantization method: None (or "none") for full-precision weights, or "int8"."""
+    """The validated quantization method: None (or "none") for full-precision weights, "int8" or "q8_0"."""
     if quantization in (None, "", "none"):
         return None
     if quantization not in QUANTIZATIONS:

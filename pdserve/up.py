@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=LOCAL, help="the router's address (everything else stays on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the router's port: the endpoint clients call")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="passed to every engine: int8 stores linear weights as int8 (CPU; see `pdserve serve --help`)")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "q8_0"], default="auto",
+                   help="passed to every engine: int8 and q8_0 store linear weights as int8, auto keeps a "
+                        "GGUF's Q8_0 weights so (CPU; see `pdserve serve --help`)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int,

@@ -7,8 +7,9 @@ path's to the bit; this module decides when that loop can stand in for the modul
 
 - a step of decodes only (one token per request), on the CPU, with our kernels built;
 - the CPU attention backend and the fused KV write (what model_runner picks with the kernels);
-- one tensor-parallel rank (the loop has no all-reduce), no int8 weights, and, per weight, a
-  matmul path the loop has (`linear_path`: not the widened bf16 one of AVX2 CPUs at 16+ rows).
+- one tensor-parallel rank (the loop has no all-reduce), and, per weight, a matmul path the loop
+  has (`linear_path`: not the widened bf16 one of AVX2 CPUs at 16+ rows, and int8 weights only
+  through our kernel, in a float32 model).
 
 Anything else runs the modules, as does every step with PDSERVE_DECODE_CALL=0.
 """
@@ -30,16 +31,18 @@ from pdserve.engine.model.layers import (
     WIDEN_MIN_ROWS,
     bf16_is_emulated,
 )
+from pdserve.engine.model.quant import SMALL_ROWS, Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
-LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3}
+LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:
     """The path layers.linear takes through `module` for `rows` rows of input, or None where it is
-    one the C++ loop does not have (int8 weights, widened bf16)."""
+    one the C++ loop does not have (int8 weights past our kernel's rows, widened bf16)."""
     if module.quantized is not None:
-        return None
+        q = module.quantized
+        return "int8" if isinstance(q, Int8Linear) and q.use_kernel and rows <= SMALL_ROWS else None
     if rows == 1 and module.one_row in ("kernel", "kernel_serial"):
         return module.one_row
     weight = module.weight
@@ -78,8 +81,13 @@ class DecodeCall:
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         attn = layers[0].self_attn
-        return cls(norms=norms + [model.norm.weight], linears=linears, weights=[m.weight for m in linears],
-                   packed=[m.packed_weight for m in linears], biases=[m.bias for m in linears],
+        # An int8 layer passes its int8 values as the weight, its scales where a packed weight goes,
+        # and the bias it holds (column-parallel ones move into quant.Int8Linear).
+        return cls(norms=norms + [model.norm.weight], linears=linears,
+                   weights=[m.weight if m.quantized is None else m.quantized.qweight for m in linears],
+                   packed=[m.packed_weight if m.quantized is None else m.quantized.scales for m in linears],
+                   biases=[m.bias if m.quantized is None or m.bias is not None else m.quantized.bias
+                           for m in linears],
                    cos=attn.rotary.cos, sin=attn.rotary.sin, rotary_dim=attn.rotary.rotary_dim,
                    num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                    scale=attn.scale, eps=model.norm.eps)
@@ -87,6 +95,9 @@ class DecodeCall:
     def paths_for(self, rows: int) -> list[int] | None:
         if rows not in self.paths:
             named = [linear_path(m, rows) for m in self.linears]
+            # Our int8 kernel takes float32 rows; in a half model the modules convert around it.
+            if "int8" in named and self.norms[0].dtype != torch.float32:
+                named.append(None)
             self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
         return self.paths[rows]
 

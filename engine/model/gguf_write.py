@@ -1,4 +1,4 @@
-"""Write a Hugging Face Llama-family checkpoint as a GGUF file that llama.cpp loads (F32, F16 or BF16).
+"""Write a Hugging Face Llama-family checkpoint as a GGUF file that llama.cpp loads (F32, F16, BF16 or Q8_0).
 
 The reverse of `gguf_convert`: config.json becomes llama.cpp's `<arch>.*` metadata, tokenizer.json
 its `tokenizer.ggml.*` vocabulary (byte-level BPE only, llama.cpp's "gpt2" tokenizer model), and
@@ -40,10 +40,11 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 def _out_types() -> dict[str, Any]:
     from gguf import GGMLQuantizationType as Q, LlamaFileType as F
 
-    return {"f32": (Q.F32, F.ALL_F32), "f16": (Q.F16, F.MOSTLY_F16), "bf16": (Q.BF16, F.MOSTLY_BF16)}
+    return {"f32": (Q.F32, F.ALL_F32), "f16": (Q.F16, F.MOSTLY_F16), "bf16": (Q.BF16, F.MOSTLY_BF16),
+            "q8_0": (Q.Q8_0, F.MOSTLY_Q8_0)}
 
 
-OUT_TYPES = ("f32", "f16", "bf16")
+OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def gguf_tensor_name(hf_name: str) -> str:
@@ -237,19 +238,36 @@ def _entries(model_dir: Path, cfg: dict[str, Any]) -> list[_Entry]:
 
 
 def _stored(entry: _Entry, out_type: Any) -> Any:
-    """What a tensor is stored as: 1-D tensors (norms, biases) stay F32, as llama.cpp's converter keeps them."""
-    from gguf import GGMLQuantizationType as Q
+    """What a tensor is stored as: 1-D tensors (norms, biases) stay F32, as llama.cpp's converter
+    keeps them, and rows that do not split into Q8_0's blocks of 32 are F16."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-    return Q.F32 if len(entry.shape) == 1 else out_type
+    if len(entry.shape) == 1:
+        return Q.F32
+    block = GGML_QUANT_SIZES[out_type][0]
+    return Q.F16 if entry.shape[-1] % block else out_type
+
+
+def _byte_shape(shape: tuple[int, ...], kind: Any) -> tuple[tuple[int, ...], Any]:
+    """The numpy shape and dtype a tensor of `shape` is written as: elements, or a quantized
+    type's bytes (each row's blocks)."""
+    from gguf import GGML_QUANT_SIZES
+
+    if kind.name in _NUMPY_DTYPES:
+        return shape, np.dtype(_NUMPY_DTYPES[kind.name])
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    return (*shape[:-1], shape[-1] // block * block_bytes), np.dtype(np.uint8)
 
 
 def _to_numpy(t: torch.Tensor, kind: Any) -> np.ndarray:
-    from gguf import GGMLQuantizationType as Q
+    from gguf import GGMLQuantizationType as Q, quants
 
     if kind == Q.F32:
         return t.to(torch.float32).numpy()
     if kind == Q.F16:
         return t.to(torch.float16).numpy()
+    if kind == Q.Q8_0:  # gguf's encoder, which rounds as llama.cpp's does
+        return quants.quantize(t.to(torch.float32).numpy(), kind)
     # BF16 has no numpy dtype: its bits as uint16 (torch rounds to nearest even, as llama.cpp does).
     return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
@@ -304,9 +322,8 @@ def write_gguf(model_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
             _add(writer, key, value)
         for e in entries:
             kind = _stored(e, qtype)
-            dtype = _NUMPY_DTYPES[kind.name]
-            writer.add_tensor_info(e.gguf_name, e.shape, np.dtype(dtype), int(np.prod(e.shape)) * np.dtype(dtype).itemsize,
-                                   raw_dtype=kind)
+            shape, dtype = _byte_shape(tuple(e.shape), kind)
+            writer.add_tensor_info(e.gguf_name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()

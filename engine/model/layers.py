@@ -113,10 +113,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 
 def pack_model_weights(model: nn.Module) -> int:
-    """Prepack every linear layer's weight for the CPU; returns how many were packed."""
+    """Prepack every float linear weight for the CPU; returns how many were packed."""
     count = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.quantized is None:
             module.packed_weight = pack_weight(module.weight)
             count += module.packed_weight is not None
     return count

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import GGUF_TYPES_KEY, ModelConfig
 from pdserve.engine.model.layers import pack_model_weights
 from pdserve.engine.model.llama import MODEL_CLASSES
 
@@ -41,6 +41,19 @@ def _index_entry(index: Path, name: object) -> Path:
     if entry is None or entry.is_absolute() or ".." in entry.parts or entry.drive:
         raise ValueError(f"{index}: weight_map entry {name!r} is not a file name inside the model directory")
     return entry
+
+
+def gguf_q8_0_modules(model: torch.nn.Module, cfg: ModelConfig) -> set[str]:
+    """The linear layers every checkpoint tensor of which was Q8_0 in the GGUF file (gguf_convert
+    records the types); a tied lm_head counts when the embedding was."""
+    types: dict[str, set[str]] = {}
+    for name, kind in cfg.hf_config.get(GGUF_TYPES_KEY, {}).items():
+        target = model.checkpoint_name_to_param(name)
+        if target is not None:
+            types.setdefault(target[0].rsplit(".", 1)[0], set()).add(kind)
+    if cfg.tie_word_embeddings and "model.embed_tokens" in types:
+        types["lm_head"] = types["model.embed_tokens"]
+    return {module for module, kinds in types.items() if kinds == {"Q8_0"}}
 
 
 def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = False) -> torch.nn.Module:
@@ -81,16 +94,18 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         # After loading, so each tensor-parallel rank quantizes its own shard.
         from pdserve.engine.model.quant import kernel_available, quantize_model
 
-        count = quantize_model(model, cfg.quantization)
-        log.info("quantized %d weight matrices to %s (%s)", count, cfg.quantization,
+        only = gguf_q8_0_modules(model, cfg) if cfg.keep_gguf_q8_0 else None
+        count = quantize_model(model, cfg.quantization, only=only, lossless=cfg.keep_gguf_q8_0)
+        log.info("quantized %d weight matrices to %s%s (%s)", count, cfg.quantization,
+                 ", as the GGUF file stores them" if cfg.keep_gguf_q8_0 else "",
                  "AVX2 kernel for decode" if kernel_available() else "float32 slabs only: no vectorized kernel")
-    else:
-        if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
-            packed = pack_model_weights(model)
-            if packed:
-                log.info("prepacked %d weight matrices for the CPU", packed)
-        from pdserve.engine.model.linear_tuning import maybe_tune
+    # The float weights left (all of them without quantization) get the CPU's fast paths.
+    if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
+        packed = pack_model_weights(model)
+        if packed:
+            log.info("prepacked %d weight matrices for the CPU", packed)
+    from pdserve.engine.model.linear_tuning import maybe_tune
 
-        maybe_tune(model)
+    maybe_tune(model)
     log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
     return model

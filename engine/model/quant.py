@@ -1,9 +1,14 @@
-"""int8 linear weights with one scale per output channel (`quantization="int8"`).
+"""int8 linear weights: one scale per output channel (`quantization="int8"`), or one per group
+of 32 consecutive weights in a row (`quantization="q8_0"`, the layout of GGUF's Q8_0).
 
-A weight row w is stored as round(w / s) in [-127, 127] with s = max|w| / 127: a quarter of
-float32's memory, and of the bytes a decode step streams from RAM. This is weight-only
+A weight row w (or group) is stored as round(w / s) in [-127, 127] with s = max|w| / 127: about a
+quarter of float32's memory, and of the bytes a decode step streams from RAM. This is weight-only
 quantization: activations stay float32 and the product is the float32 one with the rounded
-weight, so the only error is the weight rounding (about 0.4% of a row's largest entry).
+weight, so the only error is the weight rounding (at most half a step of its row or group).
+
+A Q8_0 GGUF file reaches the loader dequantized (engine/model/gguf_convert.py); quantizing it
+again in groups of 32 gives back the file's own integers and scales exactly (`requantize_q8_0`
+checks it), so its weights are served as stored, not rounded a second time.
 
 Kernels (measured on an AVX2-only EPYC, bench model shapes, one thread):
 - up to SMALL_ROWS rows of x (decode): our AVX2 kernel (csrc/cpu_int8_linear.cpp), which widens
@@ -28,6 +33,8 @@ from torch import nn
 log = logging.getLogger("pdserve.engine.quant")
 
 QMAX = 127  # symmetric: -128 is left out so that w and -w round alike
+Q8_0_GROUP = 32  # weights per scale in GGUF's Q8_0 blocks
+METHODS = ("int8", "q8_0")
 SMALL_ROWS = 32  # at and below: the register kernel; above: float32 slabs (measured crossover ~64)
 SLAB_ROWS = 512  # weight rows widened at a time: 512 x 4096 float32 = 8 MiB at most
 
@@ -41,6 +48,31 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scales
 
 
+def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 rows, float32 scales of shape [rows, cols / group]) with weight ≈ q * scale of its group.
+
+    On a dequantized Q8_0 tensor this is exact: there each group is d * q with d a float16 number
+    and max|q| = 127, so max|w| / 127 is d again (d * 127 fits float32's mantissa) and w / d is q.
+    """
+    w = weight.detach().float()
+    rows, cols = w.shape
+    if cols % group:
+        raise ValueError(f"{cols} columns do not split into groups of {group}")
+    blocks = w.reshape(rows, cols // group, group)
+    amax = blocks.abs().amax(dim=2)
+    scales = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(blocks / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.reshape(rows, cols), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight (q, scales) stands for: per row (1-D scales) or per group (2-D)."""
+    if scales.dim() == 1:
+        return q.float() * scales[:, None]
+    rows, groups = scales.shape
+    return (q.float().reshape(rows, groups, -1) * scales[..., None]).reshape(q.shape)
+
+
 def kernel_available() -> bool:
     """Whether our vectorized int8 kernel is built and loaded here."""
     from pdserve.engine.attention import cpu_kernels
@@ -49,26 +81,39 @@ def kernel_available() -> bool:
 
 
 def int8_matmul_slabs(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (float32, 2-D) times (q * scales)ᵀ, widening q to float32 one slab of rows at a time."""
+    """x (float32, 2-D) times the dequantized weight ᵀ, widening q to float32 one slab of rows at a
+    time: row scales are applied to the product, group scales to the slab."""
     n = q.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     slab = torch.empty(min(SLAB_ROWS, n), q.shape[1], dtype=torch.float32)
+    grouped = scales.dim() == 2
     for start in range(0, n, SLAB_ROWS):
         w = slab[:min(SLAB_ROWS, n - start)]
-        w.copy_(q[start:start + w.shape[0]])
-        torch.mm(x, w.t(), out=out[:, start:start + w.shape[0]])
-    return out.mul_(scales)
+        rows = slice(start, start + w.shape[0])
+        w.copy_(q[rows])
+        if grouped:
+            w.view(w.shape[0], scales.shape[1], -1).mul_(scales[rows, :, None])
+        torch.mm(x, w.t(), out=out[:, rows])
+    return out if grouped else out.mul_(scales)
 
 
 class Int8Linear:
-    """One weight matrix (with its bias, if any) in int8, and the matmul by it."""
+    """One weight matrix (with its bias, if any) in int8, and the matmul by it.
+
+    `group`: None for one scale per output row, else the number of consecutive weights of a row
+    that share a scale (a multiple of 8 dividing the row).
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 use_kernel: bool | None = None) -> None:
+                 use_kernel: bool | None = None, group: int | None = None) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"int8 quantization takes a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
+        if group is not None and (group % 8 or weight.shape[1] % group):
+            raise ValueError(f"groups of {group} do not fit rows of {weight.shape[1]} (a multiple of 8 dividing it)")
         self.out_features, self.in_features = weight.shape
-        self.qweight, self.scales = quantize_per_channel(weight)
+        self.group = group
+        self.qweight, self.scales = (quantize_per_channel(weight) if group is None
+                                     else quantize_groups(weight, group))
         self.bias = None if bias is None else bias.detach().float().clone()
         self.use_kernel = kernel_available() if use_kernel is None else use_kernel
 
@@ -85,7 +130,7 @@ class Int8Linear:
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        return dequantize(self.qweight, self.scales)
 
     @property
     def nbytes(self) -> int:
@@ -94,35 +139,56 @@ class Int8Linear:
         return self.qweight.numel() + extra
 
 
-def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True) -> int:
-    """Replace every linear layer's float weight by an int8 one; returns how many were quantized.
+def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True,
+                   only: set[str] | None = None, lossless: bool = False) -> int:
+    """Replace linear layers' float weights by int8 ones; returns how many were quantized.
+
+    `method`: "int8" (a scale per output row) or "q8_0" (a scale per 32 weights; a layer whose
+    rows do not split into 32s keeps its float weight). `only`: the names of the modules to
+    quantize (default: every linear layer). `lossless`: keep a layer's float weight where the int8
+    form would not give it back exactly (for weights that were Q8_0 in a GGUF file).
 
     The float weights are freed, except an lm_head tied to the embedding (the embedding still
     looks rows up in it). Biases of column-parallel layers move into the int8 kernel; a
     row-parallel layer adds its bias after the all-reduce, as before.
     """
-    if method != "int8":
+    if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}")
     from pdserve.engine.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                              VocabParallelEmbedding)
 
+    group = Q8_0_GROUP if method == "q8_0" else None
     embeddings = {id(m.weight) for m in model.modules()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
     count = 0
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear):
-            module.quantized = Int8Linear(module.weight, module.bias)
-            module.bias = None  # now inside module.quantized
-        elif isinstance(module, RowParallelLinear):
-            module.quantized = Int8Linear(module.weight)
-        elif isinstance(module, ParallelLMHead) and include_lm_head:
-            module.quantized = Int8Linear(module.weight)
-        else:
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, ParallelLMHead):
+            if not include_lm_head:
+                continue
+        elif not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
+        if only is not None and name not in only:
+            continue
+        if group is not None and module.weight.shape[1] % group:
+            kept.append(name)
+            continue
+        own_bias = isinstance(module, ColumnParallelLinear) and module.bias is not None
+        layer = Int8Linear(module.weight, module.bias if own_bias else None, group=group)
+        if lossless and not torch.equal(layer.dequantize(), module.weight.detach().float()):
+            kept.append(name)
+            continue
+        module.quantized = layer
+        if own_bias:
+            module.bias = None  # now inside module.quantized
         if id(module.weight) not in embeddings:
             module.weight = None  # type: ignore[assignment]
         module.packed_weight = None
         count += 1
+    if kept:
+        why = "the int8 form would round them" if lossless else f"rows do not split into groups of {group}"
+        log.warning("%d weight matrices keep their float weights (%s): %s", len(kept), why,
+                    ", ".join(kept[:4]) + (" ..." if len(kept) > 4 else ""))
     return count
 
 

@@ -53,9 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--quantization", choices=["none", "int8"], default="none",
-                   help="int8: store every linear weight as int8 with a scale per output channel (CPU only): "
-                        "a quarter of the weight memory and faster decode, logits within ~1%% of float32")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "q8_0"], default="auto",
+                   help="CPU only. auto: a GGUF file's Q8_0 weights stay int8 (served exactly as stored), "
+                        "everything else float; none: every weight float; int8: every linear weight int8 "
+                        "with a scale per output channel; q8_0: with a scale per 32 weights. int8 weights "
+                        "take a quarter of the memory and decode faster; logits stay within ~1%% of float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-kv-blocks", type=int, help="override the measured KV block count")

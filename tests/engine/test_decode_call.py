@@ -100,8 +100,30 @@ def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch):
     assert twice.one_call_steps >= 20 and twice.mismatches == []
 
 
-def test_int8_weights_go_through_the_modules(model_dir, monkeypatch):
-    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=128, quantization="int8")
+@pytest.mark.parametrize("name, method", [("llama", "int8"), ("qwen2", "q8_0"), ("tied", "q8_0")])
+def test_one_call_with_int8_weights_equals_the_modules(model_dir, monkeypatch, name, method):
+    """int8 layers (a scale per row or per 32 weights, qwen2's q/k/v biases inside them) run our
+    int8 kernel in the loop as in the modules; past its rows (a batch over quant.SMALL_ROWS) the
+    modules take the step."""
+    from pdserve.engine.model.quant import SMALL_ROWS
+
+    llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=256, quantization=method)
+    try:
+        twice = Twice(monkeypatch)
+        llm.generate(prompts(1, seed=5), GREEDY)
+        llm.generate(prompts(3, seed=6), GREEDY)
+        one_call = twice.one_call_steps
+        big = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        outputs = llm.generate(prompts(SMALL_ROWS + 2, seed=7), big)
+    finally:
+        llm.shutdown()
+    assert one_call >= 20 and twice.mismatches == []
+    assert twice.one_call_steps == one_call  # every step of the big batch ran the modules
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
+
+
+def test_int8_weights_in_a_half_model_go_through_the_modules(model_dir, monkeypatch):
+    llm = LLM(model_dir("llama"), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
     try:
         twice = Twice(monkeypatch)
         outputs = llm.generate(prompts(2, seed=5), GREEDY)

@@ -155,8 +155,10 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(out: Path, hf_dir: str | None = None, *, arch: str = "llama", qtype=Q.F32,
-               tensors: dict[str, tuple[np.ndarray, object]] | None = None, tokenizer: bool = True) -> Path:
-    """A GGUF as llama.cpp's converter would write it: from a checkpoint folder, or raw tensors."""
+               tensors: dict[str, tuple[np.ndarray, object]] | None = None, tokenizer: bool = True,
+               types: dict[str, object] | None = None) -> Path:
+    """A GGUF as llama.cpp's converter would write it: from a checkpoint folder (its matrices in
+    `qtype`, or the type `types` gives their llama.cpp name), or raw tensors."""
     writer = gguf.GGUFWriter(str(out), arch)
     cfg = json.loads((Path(hf_dir) / "config.json").read_text()) if hf_dir else {
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -178,7 +180,8 @@ def write_gguf(out: Path, hf_dir: str | None = None, *, arch: str = "llama", qty
                 w = llama_cpp_permute(w, heads)
             elif arch == "llama" and ".k_proj." in name:
                 w = llama_cpp_permute(w, kv_heads)
-            add_tensor(writer, llama_cpp_name(name), w, Q.F32 if w.ndim == 1 else qtype)
+            gguf_name = llama_cpp_name(name)
+            add_tensor(writer, gguf_name, w, Q.F32 if w.ndim == 1 else (types or {}).get(gguf_name, qtype))
     for name, (w, kind) in (tensors or {}).items():
         add_tensor(writer, name, w, kind)
     writer.write_header_to_file()
@@ -387,3 +390,62 @@ def test_failed_conversion_leaves_no_partial_cache_and_a_retry_succeeds(tiny_ggu
     data[-5] ^= 0xFF
     tiny_gguf.write_bytes(bytes(data))
     assert resolve_model(str(tiny_gguf)) != str(path)
+
+
+# --- Q8_0 files: their weights stay int8 on the CPU ----------------------------------------------
+
+
+def _runner_model(llm: LLM):
+    return llm.engine.client.engine_core.executor.worker.runner.model
+
+
+def _linear_layers(model) -> dict[str, torch.nn.Module]:
+    from pdserve.engine.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+    kinds = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    return {name: m for name, m in model.named_modules() if isinstance(m, kinds)}
+
+
+@pytest.mark.parametrize("name", ["llama", "tied"])
+def test_q8_0_weights_are_served_as_the_file_stores_them(model_dir, tmp_path, cache, name):
+    """By default a Q8_0 GGUF runs on the file's int8 values and scales, not on float32 copies, and
+    computes the same model as its dequantized weights: transformers on the converted checkpoint
+    greedily generates the same tokens."""
+    from pdserve.engine.model.quant import Int8Linear
+
+    path = write_gguf(tmp_path / f"{name}.gguf", model_dir(name), qtype=Q.Q8_0)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 4096, size=n).tolist() for n in (1, 9, 40, 70)]
+    expected = hf_greedy(load_hf_model(resolve_model(str(path))), prompts, 16)
+    llm = LLM(str(path), num_kv_blocks=128)  # dtype and quantization auto
+    try:
+        model = _runner_model(llm)
+        layers = _linear_layers(model)
+        assert layers and all(isinstance(m.quantized, Int8Linear) and m.quantized.group == 32 for m in layers.values())
+        assert all(m.weight is None for n, m in layers.items() if not (n == "lm_head" and name == "tied"))
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_only_q8_0_tensors_stay_int8_and_none_turns_it_off(model_dir, tmp_path, cache):
+    """A file mixing types keeps int8 exactly for the layers whose every tensor was Q8_0; the output
+    layer stored as F16 here stays float. `quantization="none"` serves every weight as float."""
+    mixed = write_gguf(tmp_path / "mixed.gguf", model_dir("llama"), qtype=Q.Q8_0,
+                       types={"output.weight": Q.F16, "blk.1.attn_v.weight": Q.F16})
+    llm = LLM(str(mixed), num_kv_blocks=64)
+    try:
+        layers = _linear_layers(_runner_model(llm))
+        float_layers = {n for n, m in layers.items() if m.quantized is None}
+        assert float_layers == {"lm_head", "model.layers.1.self_attn.qkv_proj"}
+        assert all(m.quantized.group == 32 for n, m in layers.items() if n not in float_layers)
+    finally:
+        llm.shutdown()
+    llm = LLM(str(mixed), num_kv_blocks=64, quantization="none")
+    try:
+        assert all(m.quantized is None for m in _linear_layers(_runner_model(llm)).values())
+    finally:
+        llm.shutdown()

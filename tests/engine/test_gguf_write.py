@@ -32,10 +32,14 @@ def expected_tensor(t: torch.Tensor, out_type: str) -> torch.Tensor:
     """What the file should hold: matrices in the chosen type, norms and biases always in float32."""
     if t.dim() == 1 or out_type == "f32":
         return t.float()
+    if out_type == "q8_0":  # blocks of 32 (gguf's encoder and decoder), decoded to float32
+        kind = gguf.GGMLQuantizationType.Q8_0
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.float().numpy(), kind), kind))
     return t.to(torch.bfloat16 if out_type == "bf16" else torch.float16).float()
 
 
-@pytest.mark.parametrize("name, out_type", [("llama", "f32"), ("tied", "bf16"), ("qwen2", "f16")])
+@pytest.mark.parametrize("name, out_type", [("llama", "f32"), ("tied", "bf16"), ("qwen2", "f16"),
+                                            ("qwen2", "q8_0")])
 def test_tensors_and_config_round_trip_through_our_reader(model_dir, tmp_path, name, out_type):
     original = Path(model_dir(name))
     path = write_gguf(original, tmp_path / f"{name}.gguf", out_type)
@@ -54,7 +58,7 @@ def test_tensors_and_config_round_trip_through_our_reader(model_dir, tmp_path, n
     assert cfg["rms_norm_eps"] == pytest.approx(orig["rms_norm_eps"], rel=1e-6)
     assert ("output.weight" in model.tensors) == (not orig["tie_word_embeddings"])
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                  "f16": gguf.LlamaFileType.MOSTLY_F16}
+                  "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
     assert model.meta("general.file_type") == file_types[out_type]
     # The demo tokenizer as llama.cpp's gpt2 BPE: what llama-server needs to tokenize like we do.
     assert model.meta("tokenizer.ggml.model") == "gpt2"

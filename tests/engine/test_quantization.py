@@ -1,4 +1,5 @@
-"""`quantization="int8"`: int8 linear weights with per-output-channel scales, float32 activations.
+"""`quantization="int8"` and `"q8_0"`: int8 linear weights with a scale per output channel or per
+32 weights of a row (GGUF's Q8_0 layout), float32 activations.
 
 Weight-only quantization changes the model by exactly one thing, the rounding of each weight, so
 the engine's int8 model is checked token for token against transformers running the same rounded
@@ -16,7 +17,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineArgs, ModelConfig, check_quantization
 from pdserve.engine.model import quant
 from pdserve.engine.model.loader import load_model
-from pdserve.engine.model.quant import Int8Linear, int8_matmul_slabs, quantize_per_channel
+from pdserve.engine.model.quant import Int8Linear, int8_matmul_slabs, quantize_groups, quantize_per_channel
 
 from support.hf_reference import hf_greedy, load_hf_model
 
@@ -31,15 +32,16 @@ SMOLLM2_LOGITS_REL_TOLERANCE = 0.05
 SMOLLM2_AGREEMENT = 0.9
 
 
-def rounded_copy(hf_model):
+def rounded_copy(hf_model, method: str = "int8"):
     """transformers' model with every linear weight replaced by its int8 rounding, dequantized.
 
     New tensors, not in-place copies: an lm_head tied to the embedding is rounded alone, as the
     engine rounds it (the embedding keeps its float rows)."""
     for module in hf_model.modules():
         if isinstance(module, torch.nn.Linear):
-            q, scales = quantize_per_channel(module.weight)
-            module.weight = torch.nn.Parameter(q.float() * scales[:, None], requires_grad=False)
+            q, scales = (quantize_per_channel(module.weight) if method == "int8"
+                         else quantize_groups(module.weight, quant.Q8_0_GROUP))
+            module.weight = torch.nn.Parameter(quant.dequantize(q, scales), requires_grad=False)
     return hf_model
 
 
@@ -74,6 +76,56 @@ def test_int8_kernel_reads_strided_rows(kernels_ready):
     assert torch.all((got.double() - expected).abs() <= 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, quant.SMALL_ROWS])
+@pytest.mark.parametrize("out_features, in_features, group", [(1, 32, 32), (9, 64, 32), (33, 96, 32),
+                                                              (70, 256, 8), (16, 576, 64)])
+def test_grouped_kernel_equals_the_float32_kernel_on_the_dequantized_weight(kernels_ready, rows, out_features,
+                                                                             in_features, group):
+    """Each int8 weight times its group's scale is exactly the dequantized float32 weight, and the
+    kernel sums in the float32 kernel's order: a Q8_0 layer computes what float32 computes on the
+    file's dequantized weights, to the bit (tails of rows and of output tiles included)."""
+    gen = torch.Generator().manual_seed(rows * out_features + group)
+    x = torch.randn(rows, in_features, generator=gen)
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    scales = torch.rand(out_features, in_features // group, generator=gen) * 0.02
+    weight = quant.dequantize(q, scales)
+    got = torch.ops.pdserve_cpu.int8_linear(x, q, scales)
+    assert torch.equal(got, torch.ops.pdserve_cpu.f32_linear(x, weight, False))
+    # The slab path (more rows than the kernel takes) multiplies the same float32 weight by MKL.
+    torch.testing.assert_close(int8_matmul_slabs(x, q, scales), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_kernel_refuses_groups_that_do_not_split_a_row(kernels_ready):
+    x, q = torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.int8)
+    for groups in (5, 24):  # 96 / 5 is no whole number; 96 / 24 = 4 is no multiple of 8
+        with pytest.raises(RuntimeError, match="groups do not split a row"):
+            torch.ops.pdserve_cpu.int8_linear(x, q, torch.ones(4, groups))
+    with pytest.raises(ValueError, match="groups of 12"):
+        Int8Linear(torch.randn(4, 96), group=12)
+
+
+def test_requantizing_a_dequantized_q8_0_tensor_gives_back_its_blocks():
+    """A Q8_0 GGUF reaches the loader dequantized; grouping it again must give the file's own int8
+    values and float16 scales, not a second rounding."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    gen = np.random.default_rng(11)
+    w = (gen.standard_normal((24, 256)) * np.logspace(-4, 1, 24)[:, None]).astype(np.float32)
+    w[3, 32:64] = 0  # an all-zero block
+    w[5, :32] = 65000.0 / 127 * np.sign(gen.standard_normal(32))  # a block at float16's largest scales
+    kind = gguf.GGMLQuantizationType.Q8_0
+    raw = gguf.quants.quantize(w, kind).reshape(-1, 34)
+    file_scales = torch.from_numpy(raw[:, :2].copy().view(np.float16).astype(np.float32)).reshape(24, 8)
+    file_q = torch.from_numpy(raw[:, 2:].copy().view(np.int8)).reshape(24, 256)
+    dequantized = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw.reshape(24, -1), kind), dtype=np.float32))
+    q, scales = quantize_groups(dequantized, quant.Q8_0_GROUP)
+    assert torch.equal(q, file_q)
+    nonzero = file_scales != 0
+    assert torch.equal(scales[nonzero], file_scales[nonzero]) and torch.all(q.reshape(24, 8, 32)[~nonzero] == 0)
+    assert torch.equal(quant.dequantize(q, scales), dequantized)
+
+
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_int8_linear_rounds_each_weight_to_its_channel_grid(use_kernel):
     if use_kernel and not quant.kernel_available():
@@ -105,15 +157,16 @@ def test_quantized_logits_stay_within_tolerance_of_float32(model_dir):
     assert 0 < rel < LOGITS_REL_TOLERANCE
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "tied"])
-def test_int8_engine_matches_transformers_on_the_rounded_weights(model_dir, name):
+@pytest.mark.parametrize("name, method", [("llama", "int8"), ("qwen2", "int8"), ("tied", "int8"),
+                                          ("llama", "q8_0"), ("qwen2", "q8_0"), ("tied", "q8_0")])
+def test_int8_engine_matches_transformers_on_the_rounded_weights(model_dir, name, method):
     """Token for token: the engine's int8 path computes the model with rounded weights, nothing else
     (q/k/v biases of qwen2 and an lm_head tied to the embedding included)."""
     path = model_dir(name)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in (1, 17, 40, 90)]
-    expected = hf_greedy(rounded_copy(load_hf_model(path)), prompts, 16)
-    llm = LLM(path, dtype="float32", quantization="int8", num_kv_blocks=128)
+    expected = hf_greedy(rounded_copy(load_hf_model(path), method), prompts, 16)
+    llm = LLM(path, dtype="float32", quantization=method, num_kv_blocks=128)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -143,7 +196,7 @@ def test_int8_weights_take_a_quarter_of_the_memory(model_dir, name):
 
 def test_quantization_flag_is_validated(model_dir):
     path = model_dir("llama")
-    with pytest.raises(ValueError, match="quantization must be none or one of int8; got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be none or one of int8, q8_0; got 'int4'"):
         EngineArgs(model=path, device="cpu", quantization="int4").create_engine_config()
     # No GPU int8 path yet: refused clearly instead of failing inside a kernel.
     with pytest.raises(ValueError, match="CPU only"):
@@ -160,12 +213,16 @@ def test_serve_and_up_pass_the_flag_to_the_engine():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert engine_args_from(parser.parse_args(["--model", "demo", "--quantization", "int8"])).quantization == "int8"
-    assert engine_args_from(parser.parse_args(["--model", "demo"])).quantization == "none"
+    assert engine_args_from(parser.parse_args(["--model", "demo", "--quantization", "q8_0"])).quantization == "q8_0"
+    assert engine_args_from(parser.parse_args(["--model", "demo"])).quantization == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "demo", "--quantization", "fp4"])
 
 
-def test_smollm2_int8_agrees_with_float32_greedy():
+@pytest.mark.parametrize("method", ["int8", "q8_0"])
+def test_smollm2_int8_agrees_with_float32_greedy(method):
+    """On the real model: rounding to int8 keeps logits within tolerance and most greedy choices of
+    float32, and the engine computes the rounded model token for token."""
     from transformers import AutoTokenizer
 
     from pdserve.engine.demo import resolve_model
@@ -178,8 +235,12 @@ def test_smollm2_int8_agrees_with_float32_greedy():
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     texts_f32 = [p + o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy))]
-    del llm
-    full, rounded = load_hf_model(path), rounded_copy(load_hf_model(path))
+    llm.shutdown()
+    llm = LLM(path, dtype="float32", max_model_len=256, num_kv_blocks=64, quantization=method)
+    engine_int8 = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    llm.shutdown()
+    full, rounded = load_hf_model(path), rounded_copy(load_hf_model(path), method)
+    assert engine_int8 == hf_greedy(rounded, prompts, 24)
     agree = total = 0
     with torch.inference_mode():
         for prompt, seq in zip(prompts, texts_f32):

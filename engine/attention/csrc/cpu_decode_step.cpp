@@ -18,9 +18,10 @@
 namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
-enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3 };
+enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4 };
 
 using F32Linear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
+using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using RmsNorm = void(const at::Tensor&, const at::Tensor&, double, at::Tensor&);
 using AddRmsNorm = void(at::Tensor&, at::Tensor&, const at::Tensor&, double);
 using SiluMul = void(const at::Tensor&, at::Tensor&);
@@ -37,6 +38,7 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 // Looked up on first use: the other files of this library register these ops when it loads.
 struct Ops {
   c10::TypedOperatorHandle<F32Linear> f32_linear = typed_op<F32Linear>("pdserve_cpu::f32_linear");
+  c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
   c10::TypedOperatorHandle<SiluMul> silu_mul = typed_op<SiluMul>("pdserve_cpu::silu_and_mul");
@@ -52,10 +54,16 @@ const Ops& ops() {
   return instance;
 }
 
-// x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path.
+// x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 path `weight`
+// holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
+    case kInt8: {
+      TORCH_CHECK(packed.has_value(), "decode_layers: an int8 path without scales");
+      at::Tensor y = ops().int8_linear.call(x, weight, *packed);
+      return bias.has_value() ? y.add_(*bias) : y;
+    }
     case kKernel:
     case kKernelSerial: {
       at::Tensor y = ops().f32_linear.call(x, weight, path == kKernelSerial);
@@ -78,7 +86,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 std::optional<at::Tensor> item(const c10::List<std::optional<at::Tensor>>& list, int64_t i) { return list.get(i); }
 
 // Per layer l: norms[2l] (input), norms[2l+1] (post-attention), norms[2L] the final norm;
-// weights, packed, biases and paths [4l..4l+3] for qkv, o, gate_up, down. The column-parallel
+// weights, packed (or int8 scales), biases and paths [4l..4l+3] for qkv, o, gate_up, down. The column-parallel
 // biases (qkv, gate_up) go into their matmul, the row-parallel ones (o, down) are added after it,
 // as the modules do. Returns the final norm's output, one row per request.
 at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, at::TensorList norms,

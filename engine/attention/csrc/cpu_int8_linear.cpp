@@ -1,7 +1,10 @@
 // y = x Wᵀ for a few rows of x (decode steps), where reading the weight from memory is the cost:
-// - `int8_linear`: an int8 weight with one float scale per output row (`quantization="int8"`),
-//   widened to float32 in registers, so int8 reads a quarter of float32's bytes; x is never
-//   rounded (weight-only quantization);
+// - `int8_linear`: an int8 weight with one float scale per output row (`quantization="int8"`) or
+//   one per group of consecutive weights in a row (`quantization="q8_0"`, GGUF's Q8_0 blocks),
+//   widened to float32 in registers, so int8 reads about a quarter of float32's bytes; x is never
+//   rounded (weight-only quantization). With groups, each weight is widened and multiplied by its
+//   scale before the FMA: that product is exactly the dequantized float32 weight, so the result
+//   equals `f32_linear` on the dequantized weight to the bit;
 // - `f32_linear`: a float32 weight, for one row where this streams the weight faster than MKL's
 //   gemv or oneDNN's packed layout (engine/model/linear_tuning.py times all three per shape).
 //
@@ -73,29 +76,83 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, const flo
     for (int j = 0; j < NR; ++j) out[i * ldo + j] = scale != nullptr ? sums[i][j] * scale[j] : sums[i][j];
 }
 
-template <int NR, typename W>
-void rows_of_x(const float* x, int64_t m_size, int64_t ldx, const W* w, int64_t ldw, const float* scale,
-               float* out, int64_t ldo, int64_t k_size) {
+// The grouped form of `tile`: row j's weights k..k+group share the scale gs[j * ldg + k / group].
+// Accumulation runs over k in the same order as `tile`, so a float32 weight equal to q * scale
+// gives the same sums to the bit.
+template <int NR, int MR>
+inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, const float* gs, int64_t ldg,
+                         int64_t group, float* out, int64_t ldo, int64_t k_size) {
+  float sums[MR][NR];
+#if PDSERVE_INT8_AVX2
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0, k = 0; k < k_size; ++g) {
+    __m256 s[NR];
+    for (int j = 0; j < NR; ++j) s[j] = _mm256_set1_ps(gs[j * ldg + g]);
+    for (const int64_t end = k + group; k < end; k += 8) {
+      __m256 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = _mm256_mul_ps(load8(w + j * ldw + k), s[j]);
+      for (int i = 0; i < MR; ++i) {
+        __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
+#else
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = 0.f;
+  for (int64_t k = 0; k < k_size; ++k)
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j)
+        sums[i][j] += x[i * ldx + k] * (static_cast<float>(w[j * ldw + k]) * gs[j * ldg + k / group]);
+#endif
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * ldo + j] = sums[i][j];
+}
+
+// Every row of x (in tiles of up to 4) against one tile of weight rows, by `Tile<MR>`.
+template <template <int> class Tile, typename... Args>
+void rows_of_x(const float* x, int64_t m_size, int64_t ldx, float* out, int64_t ldo, Args... args) {
   int64_t m = 0;
-  for (; m + 4 <= m_size; m += 4) tile<NR, 4>(x + m * ldx, ldx, w, ldw, scale, out + m * ldo, ldo, k_size);
+  for (; m + 4 <= m_size; m += 4) Tile<4>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...);
   switch (m_size - m) {
-    case 3: tile<NR, 3>(x + m * ldx, ldx, w, ldw, scale, out + m * ldo, ldo, k_size); break;
-    case 2: tile<NR, 2>(x + m * ldx, ldx, w, ldw, scale, out + m * ldo, ldo, k_size); break;
-    case 1: tile<NR, 1>(x + m * ldx, ldx, w, ldw, scale, out + m * ldo, ldo, k_size); break;
+    case 3: Tile<3>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
+    case 2: Tile<2>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
+    case 1: Tile<1>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
     default: break;
   }
 }
 
+template <int NR, typename W>
+struct RowScaled {
+  template <int MR>
+  struct T {
+    static void run(const float* x, int64_t ldx, float* out, int64_t ldo, const W* w, int64_t ldw,
+                    const float* scale, int64_t k_size) {
+      tile<NR, MR>(x, ldx, w, ldw, scale, out, ldo, k_size);
+    }
+  };
+};
+
+template <int NR>
+struct GroupScaled {
+  template <int MR>
+  struct T {
+    static void run(const float* x, int64_t ldx, float* out, int64_t ldo, const int8_t* w, int64_t ldw,
+                    const float* gs, int64_t ldg, int64_t group, int64_t k_size) {
+      tile_grouped<NR, MR>(x, ldx, w, ldw, gs, ldg, group, out, ldo, k_size);
+    }
+  };
+};
+
 constexpr int64_t kRowsPerTile = 2;
 
-// out = x wᵀ (times the row scales, if any), the output rows split over threads unless `serial`.
-template <typename W>
-void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out,
-                  bool serial = false) {
-  const int64_t m_size = xc.size(0);
-  const float* xp = xc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
+// block(n0, n1) for blocks of output rows, split over threads unless `serial`.
+template <typename Block>
+void over_row_blocks(int64_t n_size, bool serial, const Block& block) {
   // Blocks of 16 output rows: enough work per task to hide the scheduling, and fine enough that
   // the last tasks do not leave a core idle.
   constexpr int64_t kBlock = 16;
@@ -104,15 +161,43 @@ void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_
   // threads sleep (OMP_WAIT_POLICY=PASSIVE, as `pdserve up` sets for prefill engines), waking
   // them costs more than a small weight takes to read.
   at::parallel_for(0, blocks, serial ? blocks : 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlock, n1 = std::min(n_size, n0 + kBlock);
-      const float* scale = sp != nullptr ? sp + n0 : nullptr;
-      int64_t n = n0;
-      for (; n + kRowsPerTile <= n1; n += kRowsPerTile, scale = scale != nullptr ? scale + kRowsPerTile : nullptr)
-        rows_of_x<kRowsPerTile>(xp, m_size, ldx, wp + n * k_size, k_size, scale, op + n, n_size, k_size);
-      for (; n < n1; ++n, scale = scale != nullptr ? scale + 1 : nullptr)
-        rows_of_x<1>(xp, m_size, ldx, wp + n * k_size, k_size, scale, op + n, n_size, k_size);
-    }
+    for (int64_t b = begin; b < end; ++b) block(b * kBlock, std::min(n_size, (b + 1) * kBlock));
+  });
+}
+
+// out = x wᵀ (times the row scales, if any).
+template <typename W>
+void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out,
+                  bool serial = false) {
+  const int64_t m_size = xc.size(0), ldx = xc.stride(0);
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_row_blocks(n_size, serial, [&](int64_t n0, int64_t n1) {
+    auto scale_at = [&](int64_t n) { return sp != nullptr ? sp + n : nullptr; };
+    int64_t n = n0;
+    for (; n + kRowsPerTile <= n1; n += kRowsPerTile)
+      rows_of_x<RowScaled<kRowsPerTile, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                         scale_at(n), k_size);
+    for (; n < n1; ++n)
+      rows_of_x<RowScaled<1, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size, scale_at(n),
+                                             k_size);
+  });
+}
+
+// out = x (q * group scales)ᵀ.
+void grouped_linear(const at::Tensor& xc, const int8_t* wp, const float* gp, int64_t group, int64_t n_size,
+                    int64_t k_size, at::Tensor& out) {
+  const int64_t m_size = xc.size(0), ldx = xc.stride(0), ldg = k_size / group;
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  over_row_blocks(n_size, false, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + kRowsPerTile <= n1; n += kRowsPerTile)
+      rows_of_x<GroupScaled<kRowsPerTile>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                        gp + n * ldg, ldg, group, k_size);
+    for (; n < n1; ++n)
+      rows_of_x<GroupScaled<1>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size, gp + n * ldg,
+                                            ldg, group, k_size);
   });
 }
 
@@ -121,12 +206,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
               "int8_linear: weight must be a contiguous 2-D int8 tensor");
   TORCH_CHECK(x.size(1) == weight.size(1), "int8_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == weight.size(0),
-              "int8_linear: scales must be float32 with one entry per weight row");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == weight.size(0) &&
+                  (scales.dim() == 1 || scales.dim() == 2),
+              "int8_linear: scales must be float32, one per weight row (1-D) or per group of each row (2-D)");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({xc.size(0), weight.size(0)}, x.options());
-  small_linear(xc, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), weight.size(0), weight.size(1), out);
+  if (scales.dim() == 1) {
+    small_linear(xc, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), weight.size(0), weight.size(1), out);
+    return out;
+  }
+  const int64_t groups = scales.size(1), k_size = weight.size(1);
+  TORCH_CHECK(groups > 0 && k_size % groups == 0 && (k_size / groups) % 8 == 0, "int8_linear: ", groups,
+              " groups do not split a row of ", k_size, " into equal groups of a multiple of 8");
+  grouped_linear(xc, weight.data_ptr<int8_t>(), scales.data_ptr<float>(), k_size / groups, weight.size(0), k_size,
+                 out);
   return out;
 }
 
