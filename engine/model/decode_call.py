@@ -26,12 +26,8 @@ from torch import nn
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.distributed import tp_size
 from pdserve.engine.model import fused
-from pdserve.engine.model.layers import (
-    PACKED_ROWS,
-    WIDEN_MIN_ROWS,
-    bf16_is_emulated,
-)
-from pdserve.engine.model.quant import SMALL_ROWS, Int8Linear
+from pdserve.engine.model import layers as model_layers
+from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
 LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4}
@@ -42,16 +38,9 @@ def linear_path(module: nn.Module, rows: int) -> str | None:
     one the C++ loop does not have (int8 weights past our kernel's rows, widened bf16)."""
     if module.quantized is not None:
         q = module.quantized
-        return "int8" if isinstance(q, Int8Linear) and q.use_kernel and rows <= SMALL_ROWS else None
-    if rows == 1 and module.one_row in ("kernel", "kernel_serial"):
-        return module.one_row
-    weight = module.weight
-    if module.packed_weight is not None:
-        low, high = PACKED_ROWS[weight.dtype]
-        return "packed" if (rows == 1 and module.one_row == "packed") or low <= rows <= high else "torch"
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows >= WIDEN_MIN_ROWS and bf16_is_emulated():
-        return None
-    return "torch"
+        return "int8" if isinstance(q, Int8Linear) and q.kernel_takes(rows) else None
+    path = model_layers.linear_path(module.weight, module.packed_weight, module.one_row, rows)
+    return None if path == "widened" else path
 
 
 @dataclass

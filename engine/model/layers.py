@@ -89,25 +89,36 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str | None, rows: int) -> str:
+    """Which path `linear` takes for a float weight and `rows` rows of input: for a single row, the
+    one linear_tuning measured fastest for this weight (`one_row`: "packed", or our AVX2 kernel on
+    all threads or on one: "kernel", "kernel_serial"); "packed" (oneDNN) for PACKED_ROWS rows;
+    "widened" bf16; else "torch" (F.linear). The one-call decode step (decode_call) follows it too."""
+    if rows == 1 and one_row in ("kernel", "kernel_serial"):
+        return one_row
+    if packed is not None:
+        low, high = PACKED_ROWS[weight.dtype]
+        return "packed" if (rows == 1 and one_row == "packed") or low <= rows <= high else "torch"
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows >= WIDEN_MIN_ROWS and bf16_is_emulated():
+        return "widened"
+    return "torch"
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
            quantized: Callable[[torch.Tensor], torch.Tensor] | None = None,
            one_row: str | None = None) -> torch.Tensor:
-    """x Wᵀ + b by the fastest path this weight has: int8; for a single row, the path linear_tuning
-    measured fastest for this weight (`one_row`: oneDNN-packed, or our AVX2 kernel on all threads
-    or on one); oneDNN-packed for PACKED_ROWS rows; widened bf16; or F.linear."""
-    if quantized is not None:  # an int8 weight (engine/model/quant.py): the float one is gone
+    """x Wᵀ + b by the fastest path this weight has: int8 (engine/model/quant.py), else `linear_path`'s."""
+    if quantized is not None:  # an int8 weight: the float one is gone
         y = quantized(x)
         return y if bias is None else y + bias
-    one_row = one_row if x.dim() == 2 and x.shape[0] == 1 else None
-    if one_row in ("kernel", "kernel_serial"):
-        y = torch.ops.pdserve_cpu.f32_linear(x, weight, one_row == "kernel_serial")
+    # One row means one 2-D row: the single-row kernels take 2-D input only.
+    path = linear_path(weight, packed, one_row if x.dim() == 2 else None, x.numel() // x.shape[-1])
+    if path in ("kernel", "kernel_serial"):
+        y = torch.ops.pdserve_cpu.f32_linear(x, weight, path == "kernel_serial")
         return y if bias is None else y + bias
-    if packed is not None:
-        low, high = PACKED_ROWS[weight.dtype]
-        if one_row == "packed" or low <= x.shape[0] <= high:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    elif (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-          and x.numel() >= WIDEN_MIN_ROWS * x.shape[-1] and bf16_is_emulated()):
+    if path == "packed":
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if path == "widened":
         return linear_widened(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -117,11 +117,15 @@ class Int8Linear:
         self.bias = None if bias is None else bias.detach().float().clone()
         self.use_kernel = kernel_available() if use_kernel is None else use_kernel
 
+    def kernel_takes(self, rows: int) -> bool:
+        """Whether `rows` rows of x go through our register kernel (else float32 slabs)."""
+        return self.use_kernel and rows <= SMALL_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in x's dtype, computed in float32."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        if self.use_kernel and x2.shape[0] <= SMALL_ROWS:
+        if self.kernel_takes(x2.shape[0]):
             y = torch.ops.pdserve_cpu.int8_linear(x2, self.qweight, self.scales)
         else:
             y = int8_matmul_slabs(x2, self.qweight, self.scales)
