@@ -97,6 +97,12 @@ class Worker:
                                      failed_recving=output.failed_recving, kv_stats=output.kv_stats)
         return None
 
+    def weight_bytes(self) -> int:
+        """Bytes this rank's weights take (int8 ones at their stored size)."""
+        from pdserve.engine.model.quant import weight_bytes
+
+        return weight_bytes(self.runner.model)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -304,3 +305,34 @@ def test_workers_exit_when_the_engine_process_is_killed(model_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_q8_0_gguf_shards_stay_int8_and_tp2_equals_tp1(model_dir, tmp_path, monkeypatch):
+    """Each rank requantizes its own shard of a Q8_0 file's weights (row-parallel shards split rows
+    at block boundaries), exactly, so TP=2 serves the file's int8 weights and generates TP=1's tokens."""
+    from pdserve.engine.model.gguf_write import write_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf(model_dir("llama"), tmp_path / "llama-q8_0.gguf", "q8_0"))
+    prompts = random_prompts(5)
+    tp1 = generate(LLM(path, num_kv_blocks=256), prompts)
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=256)
+    try:
+        kept = executor_of(llm).collective_rpc("weight_bytes")
+        assert generate(llm, prompts) == tp1
+    finally:
+        llm.shutdown()
+    full = LLM(path, tensor_parallel_size=2, num_kv_blocks=256, quantization="none")
+    try:
+        floats = executor_of(full).collective_rpc("weight_bytes")
+    finally:
+        full.shutdown()
+    # Every linear weight of a rank's shard (the lm_head included) takes 1 byte and a float32 scale
+    # per 32 instead of 4 bytes; the embedding and norms stay float32.
+    cfg = json.loads((Path(model_dir("llama")) / "config.json").read_text())
+    hidden, inter, heads, kv_heads = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                       "num_key_value_heads"))
+    head_dim = hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    linear_per_rank = (cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden) // 2
+    assert kept == [f - linear_per_rank * 4 + linear_per_rank * 9 // 8 for f in floats]
