@@ -159,11 +159,14 @@ def block_namespace(config: Any) -> str:
     """The store namespace of an engine's blocks. The served name alone is not enough: a new
     checkpoint deployed under the same name must never load KV computed by the old weights, so
     the weights' fingerprint is part of it, and so is a quantization (int8 weights compute other
-    keys and values than the float ones they were rounded from)."""
+    keys and values than the float ones they were rounded from; a GGUF's Q8_0 layers alone, kept
+    as the file stores them, are another model than every layer rounded by `--quantization q8_0`)."""
     from pdserve.engine.model.fingerprint import checkpoint_fingerprint
 
     mc = config.model
     quantized = f"|q{mc.quantization}" if getattr(mc, "quantization", None) else ""
+    if getattr(mc, "keep_gguf_q8_0", False):
+        quantized += "-as-stored"
     return (f"{mc.served_model_name}|w{checkpoint_fingerprint(mc.path)}|{str(mc.dtype).removeprefix('torch.')}"
             f"{quantized}|bs{config.cache.block_size}|tp{config.parallel.tensor_parallel_size}")
 

@@ -89,9 +89,21 @@ def test_large_files_are_sampled_and_a_changed_file_is_seen_again(tmp_path):
         checkpoint_fingerprint(tmp_path / "missing")
 
 
-def engine_config(path: Path, name: str = "served-name") -> SimpleNamespace:
-    return SimpleNamespace(model=SimpleNamespace(path=str(path), served_model_name=name, dtype="torch.bfloat16"),
+def engine_config(path: Path, name: str = "served-name", **model: object) -> SimpleNamespace:
+    return SimpleNamespace(model=SimpleNamespace(path=str(path), served_model_name=name, dtype="torch.bfloat16",
+                                                 **model),
                            cache=SimpleNamespace(block_size=16), parallel=SimpleNamespace(tensor_parallel_size=1))
+
+
+def test_each_quantization_of_the_same_weights_is_its_own_namespace(tmp_path):
+    """int8, q8_0 and a GGUF's Q8_0 layers kept as stored compute different KV from one another and
+    from the float weights: none may load another's blocks."""
+    root = checkpoint(tmp_path / "w", small_weights(0))
+    spaces = [block_namespace(engine_config(root)),
+              block_namespace(engine_config(root, quantization="int8")),
+              block_namespace(engine_config(root, quantization="q8_0")),
+              block_namespace(engine_config(root, quantization="q8_0", keep_gguf_q8_0=True))]
+    assert len(set(spaces)) == 4
 
 
 def test_a_new_checkpoint_under_the_same_name_never_loads_the_old_kv(tmp_path):
