@@ -178,9 +178,13 @@ class ModelConfig:
         keep_gguf_q8_0 = False
         if quantization in (None, "auto"):
             keep_gguf_q8_0 = device == "cpu" and gguf_q8_0_tensors(cfg) > 0
-            quantization = "q8_0" if keep_gguf_q8_0 else None
             if keep_gguf_q8_0 and dtype == "auto":
                 dtype = "float32"  # the int8 matmuls compute in float32; the rest runs exact alongside
+            elif keep_gguf_q8_0 and _DTYPES.get(dtype) != torch.float32:
+                # Weights loaded as a half type are rounded already: the file's int8 values are gone.
+                log.info("the GGUF's Q8_0 weights stay int8 in float32 only; dtype %s serves them as %s", dtype, dtype)
+                keep_gguf_q8_0 = False
+            quantization = "q8_0" if keep_gguf_q8_0 else None
         quantization = check_quantization(quantization, device)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)

@@ -7,12 +7,14 @@ quantization: activations stay float32 and the product is the float32 one with t
 weight, so the only error is the weight rounding (at most half a step of its row or group).
 
 A Q8_0 GGUF file reaches the loader dequantized (engine/model/gguf_convert.py); quantizing it
-again in groups of 32 gives back the file's own integers and scales exactly (`requantize_q8_0`
-checks it), so its weights are served as stored, not rounded a second time.
+again in groups of 32 gives back the file's own integers and scales exactly (`quantize_groups`;
+`quantize_model(lossless=True)` checks it per layer), so its weights are served as stored, not
+rounded a second time.
 
 Kernels (measured on an AVX2-only EPYC, bench model shapes, one thread):
 - up to SMALL_ROWS rows of x (decode): our AVX2 kernel (csrc/cpu_int8_linear.cpp), which widens
-  the int8 weight in registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows;
+  the int8 weight in registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows (with group
+  scales, each widened weight is multiplied by its scale first: about 10% slower than row scales);
 - more rows (prefill): the weight widened to float32 a slab of rows at a time and multiplied by
   MKL; the widening is paid once per slab for all rows, so this runs at float32's rate.
 Rejected after measuring: ATen's `_weight_int8pack_mm` (a scalar loop without AVX-512: 10-50x

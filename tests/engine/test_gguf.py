@@ -449,3 +449,10 @@ def test_only_q8_0_tensors_stay_int8_and_none_turns_it_off(model_dir, tmp_path, 
         assert all(m.quantized is None for m in _linear_layers(_runner_model(llm)).values())
     finally:
         llm.shutdown()
+    # A half dtype asked for rounds the weights as they load: they are served in it, not as int8.
+    llm = LLM(str(mixed), num_kv_blocks=64, dtype="bfloat16")
+    try:
+        layers = _linear_layers(_runner_model(llm)).values()
+        assert all(m.quantized is None and m.weight.dtype == torch.bfloat16 for m in layers)
+    finally:
+        llm.shutdown()
