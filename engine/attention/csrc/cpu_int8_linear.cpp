@@ -44,9 +44,28 @@ inline __m256 load8(const int8_t* p) {
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
+// int8 rows are short (a 576-wide row is 9 cache lines), and at one to a few rows of x the kernel
+// waits on memory more than it computes, at under half the bandwidth float32 reaches with its 4x
+// longer rows. So the weight rows kPrefetchTiles tiles ahead are asked for early. Measured on the
+// matmuls of one SmolLM2-135M decode step (2 threads, the two builds alternated, three rounds):
+// row scales 10-11 -> 6.5-8 ms at one row and 12-15 -> 9-13 ms at four; group scales (which also
+// multiply each weight) 11-13 -> 7-11 ms at one row and two, no better at three and worse at four,
+// where they compute more than they wait. Past those rows the loops are compiled without it.
+constexpr int kPrefetchTiles = 2;
+constexpr int64_t kPrefetchMaxRows = 4;
+constexpr int64_t kPrefetchMaxRowsGrouped = 2;
+
+template <int NR>
+inline void prefetch_rows(const int8_t* w, int64_t ldw, int64_t k) {
+#if PDSERVE_INT8_AVX2
+  for (int j = 0; j < NR; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchTiles * NR) * ldw + k), _MM_HINT_T0);
+#endif
+}
+
 // out[m][n] = scale[n] * sum_k x[m][k] * w[n][k] for NR rows of w from n and MR rows of x from m
 // (no scale: a float32 weight).
-template <int NR, int MR, typename W>
+template <int NR, int MR, bool PF, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, const float* scale, float* out,
                  int64_t ldo, int64_t k_size) {
   float sums[MR][NR];
@@ -56,6 +75,9 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, const flo
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (; k + 8 <= k_size; k += 8) {
+    if constexpr (PF && sizeof(W) == 1) {
+      if ((k & 63) == 0) prefetch_rows<NR>(w, ldw, k);
+    }
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + k);
     for (int i = 0; i < MR; ++i) {
@@ -79,7 +101,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, const flo
 // The grouped form of `tile`: row j's weights k..k+group share the scale gs[j * ldg + k / group].
 // Accumulation runs over k in the same order as `tile`, so a float32 weight equal to q * scale
 // gives the same sums to the bit.
-template <int NR, int MR>
+template <int NR, int MR, bool PF>
 inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, const float* gs, int64_t ldg,
                          int64_t group, float* out, int64_t ldo, int64_t k_size) {
   float sums[MR][NR];
@@ -90,6 +112,8 @@ inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t l
   for (int64_t g = 0, k = 0; k < k_size; ++g) {
     __m256 s[NR];
     for (int j = 0; j < NR; ++j) s[j] = _mm256_set1_ps(gs[j * ldg + g]);
+    if constexpr (PF)  // one prefetch per 64 bytes of each row, however the groups fall
+      for (int64_t line = (k + 63) & ~int64_t{63}; line < k + group; line += 64) prefetch_rows<NR>(w, ldw, line);
     for (const int64_t end = k + group; k < end; k += 8) {
       __m256 wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = _mm256_mul_ps(load8(w + j * ldw + k), s[j]);
@@ -126,24 +150,24 @@ void rows_of_x(const float* x, int64_t m_size, int64_t ldx, float* out, int64_t 
   }
 }
 
-template <int NR, typename W>
+template <int NR, bool PF, typename W>
 struct RowScaled {
   template <int MR>
   struct T {
     static void run(const float* x, int64_t ldx, float* out, int64_t ldo, const W* w, int64_t ldw,
                     const float* scale, int64_t k_size) {
-      tile<NR, MR>(x, ldx, w, ldw, scale, out, ldo, k_size);
+      tile<NR, MR, PF>(x, ldx, w, ldw, scale, out, ldo, k_size);
     }
   };
 };
 
-template <int NR>
+template <int NR, bool PF>
 struct GroupScaled {
   template <int MR>
   struct T {
     static void run(const float* x, int64_t ldx, float* out, int64_t ldo, const int8_t* w, int64_t ldw,
                     const float* gs, int64_t ldg, int64_t group, int64_t k_size) {
-      tile_grouped<NR, MR>(x, ldx, w, ldw, gs, ldg, group, out, ldo, k_size);
+      tile_grouped<NR, MR, PF>(x, ldx, w, ldw, gs, ldg, group, out, ldo, k_size);
     }
   };
 };
@@ -166,9 +190,9 @@ void over_row_blocks(int64_t n_size, bool serial, const Block& block) {
 }
 
 // out = x wᵀ (times the row scales, if any).
-template <typename W>
-void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out,
-                  bool serial = false) {
+template <bool PF, typename W>
+void small_linear_with(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size,
+                       at::Tensor& out, bool serial) {
   const int64_t m_size = xc.size(0), ldx = xc.stride(0);
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -176,29 +200,48 @@ void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_
     auto scale_at = [&](int64_t n) { return sp != nullptr ? sp + n : nullptr; };
     int64_t n = n0;
     for (; n + kRowsPerTile <= n1; n += kRowsPerTile)
-      rows_of_x<RowScaled<kRowsPerTile, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
-                                                         scale_at(n), k_size);
+      rows_of_x<RowScaled<kRowsPerTile, PF, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                             scale_at(n), k_size);
     for (; n < n1; ++n)
-      rows_of_x<RowScaled<1, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size, scale_at(n),
-                                             k_size);
+      rows_of_x<RowScaled<1, PF, W>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                 scale_at(n), k_size);
   });
 }
 
+// Prefetching is compiled into its own instances, so the loops without it stay as they were.
+template <typename W>
+void small_linear(const at::Tensor& xc, const W* wp, const float* sp, int64_t n_size, int64_t k_size, at::Tensor& out,
+                  bool serial = false) {
+  if (sizeof(W) == 1 && xc.size(0) <= kPrefetchMaxRows)
+    small_linear_with<true>(xc, wp, sp, n_size, k_size, out, serial);
+  else
+    small_linear_with<false>(xc, wp, sp, n_size, k_size, out, serial);
+}
+
 // out = x (q * group scales)ᵀ.
-void grouped_linear(const at::Tensor& xc, const int8_t* wp, const float* gp, int64_t group, int64_t n_size,
-                    int64_t k_size, at::Tensor& out) {
+template <bool PF>
+void grouped_linear_with(const at::Tensor& xc, const int8_t* wp, const float* gp, int64_t group, int64_t n_size,
+                         int64_t k_size, at::Tensor& out) {
   const int64_t m_size = xc.size(0), ldx = xc.stride(0), ldg = k_size / group;
   const float* xp = xc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   over_row_blocks(n_size, false, [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
     for (; n + kRowsPerTile <= n1; n += kRowsPerTile)
-      rows_of_x<GroupScaled<kRowsPerTile>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
-                                                        gp + n * ldg, ldg, group, k_size);
+      rows_of_x<GroupScaled<kRowsPerTile, PF>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                            gp + n * ldg, ldg, group, k_size);
     for (; n < n1; ++n)
-      rows_of_x<GroupScaled<1>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size, gp + n * ldg,
-                                            ldg, group, k_size);
+      rows_of_x<GroupScaled<1, PF>::template T>(xp, m_size, ldx, op + n, n_size, wp + n * k_size, k_size,
+                                                gp + n * ldg, ldg, group, k_size);
   });
+}
+
+void grouped_linear(const at::Tensor& xc, const int8_t* wp, const float* gp, int64_t group, int64_t n_size,
+                    int64_t k_size, at::Tensor& out) {
+  if (xc.size(0) <= kPrefetchMaxRowsGrouped)
+    grouped_linear_with<true>(xc, wp, gp, group, n_size, k_size, out);
+  else
+    grouped_linear_with<false>(xc, wp, gp, group, n_size, k_size, out);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
