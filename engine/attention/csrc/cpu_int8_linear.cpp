@@ -63,6 +63,31 @@ inline void prefetch_rows(const int8_t* w, int64_t ldw, int64_t k) {
 #endif
 }
 
+#if PDSERVE_INT8_AVX2
+// The accumulator tile, shared by both kernels; forced inline, or the tile leaves the registers.
+// acc[i][j] += x[i][k..k+8] * wv[j], for the MR rows of x and NR weight vectors of one step.
+template <int NR, int MR>
+__attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx, int64_t k, const __m256 (&wv)[NR],
+                                                    __m256 (&acc)[MR][NR]) {
+  for (int i = 0; i < MR; ++i) {
+    __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+  }
+}
+
+template <int NR, int MR>
+__attribute__((always_inline)) inline void zero(__m256 (&acc)[MR][NR]) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+}
+
+template <int NR, int MR>
+__attribute__((always_inline)) inline void reduce(const __m256 (&acc)[MR][NR], float (&sums)[MR][NR]) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
+}
+#endif
+
 // out[m][n] = scale[n] * sum_k x[m][k] * w[n][k] for NR rows of w from n and MR rows of x from m
 // (no scale: a float32 weight).
 template <int NR, int MR, bool PF, typename W>
@@ -72,21 +97,16 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, const flo
   int64_t k = 0;
 #if PDSERVE_INT8_AVX2
   __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  zero(acc);
   for (; k + 8 <= k_size; k += 8) {
     if constexpr (PF && sizeof(W) == 1) {
       if ((k & 63) == 0) prefetch_rows<NR>(w, ldw, k);
     }
     __m256 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+    fma_step(x, ldx, k, wv, acc);
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
+  reduce(acc, sums);
 #else
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = 0.f;
@@ -107,8 +127,7 @@ inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t l
   float sums[MR][NR];
 #if PDSERVE_INT8_AVX2
   __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  zero(acc);
   for (int64_t g = 0, k = 0; k < k_size; ++g) {
     __m256 s[NR];
     for (int j = 0; j < NR; ++j) s[j] = _mm256_set1_ps(gs[j * ldg + g]);
@@ -117,14 +136,10 @@ inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t l
     for (const int64_t end = k + group; k < end; k += 8) {
       __m256 wv[NR];
       for (int j = 0; j < NR; ++j) wv[j] = _mm256_mul_ps(load8(w + j * ldw + k), s[j]);
-      for (int i = 0; i < MR; ++i) {
-        __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-      }
+      fma_step(x, ldx, k, wv, acc);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) sums[i][j] = hsum(acc[i][j]);
+  reduce(acc, sums);
 #else
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i][j] = 0.f;
