@@ -33,12 +33,11 @@ FREED_WITHIN_S = 1.0
 LONG_PROMPT = " ".join(f"word{i % 31}" for i in range(60))
 # Tokens a migrated stream asks for: its engine is stopped once the client has KILL_AFTER chunks
 # of text, long before the end on any machine, and the rest is short enough to keep the module quick.
-STREAM_TOKENS = 160
-KILL_AFTER = 8
-# The chat prompt is short, so its stream can be longer: decode steps got fast enough that once, on
-# a busy 2-core machine, the tiny model finished 160 tokens before the client had read 8 chunks
-# (the router saw no stream left to kill). 400 tokens keep the kill far from the end.
-CHAT_STREAM_TOKENS = 400
+# (At 160 tokens and 8 chunks, the tiny model's faster decode steps twice finished a stream, relayed
+# whole into the sockets, before the client had read 8 chunks: no stream was left to kill. The
+# long prompt, 125 tokens, and 320 new ones fit MAX_MODEL_LEN.)
+STREAM_TOKENS = 320
+KILL_AFTER = 4
 
 
 def wait_for(predicate, timeout: float, message: str) -> float:
@@ -165,8 +164,7 @@ def test_a_stream_whose_decode_engine_dies_completes_on_another_equal_to_greedy(
         path, body = "/chat/completions", {"messages": [{"role": "user", "content": "Tell me about dragons."}]}
     else:  # through the P/D path: the decode engine pulled the prompt's KV before it dies
         path, body = "/completions", {"prompt": LONG_PROMPT, "return_token_ids": True}
-    tokens = CHAT_STREAM_TOKENS if route == "chat" else STREAM_TOKENS
-    body.update(model=MODEL, max_tokens=tokens, temperature=0, ignore_eos=True,
+    body.update(model=MODEL, max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True,
                 stream_options={"include_usage": True})
     reference = stream(router, path, body)
     migrations = metric(router.url, "pdserve_router_migrations_total", outcome="resumed")
@@ -179,11 +177,11 @@ def test_a_stream_whose_decode_engine_dies_completes_on_another_equal_to_greedy(
     assert metric(router.url, "pdserve_router_migrations_total", outcome="resumed") == migrations + 1
     text, ids = text_and_ids(migrated)
     want_text, want_ids = text_and_ids(reference)
-    assert ids == want_ids and (route == "chat" or len(ids) == tokens)
+    assert ids == want_ids and (route == "chat" or len(ids) == STREAM_TOKENS)
     assert text == want_text
     # One stream: one id, one [DONE], usage over the whole answer.
     chunks = [e for e in migrated if isinstance(e, dict)]
     assert len({c["id"] for c in chunks}) == 1 and migrated.count("[DONE]") == 1 and migrated[-1] == "[DONE]"
-    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == STREAM_TOKENS
     assert chunks[-1]["usage"]["prompt_tokens"] == next(e for e in reference if isinstance(e, dict) and e.get("usage")
                                                         )["usage"]["prompt_tokens"]
