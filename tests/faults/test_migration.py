@@ -26,17 +26,17 @@ from support.server import ServerProcess, free_port, launch_server, p2p_config, 
 from support.scrape import metric_total as metric
 
 MODEL = "tiny"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096
 HELD = "pdserve:kv_blocks_held_for_remote"
 FREED_WITHIN_S = 1.0
 # Long enough (for the router's estimate, 4 characters a token) to take the P/D path at 64 tokens.
 LONG_PROMPT = " ".join(f"word{i % 31}" for i in range(60))
 # Tokens a migrated stream asks for: its engine is stopped once the client has KILL_AFTER chunks
-# of text, long before the end on any machine, and the rest is short enough to keep the module quick.
-# (At 160 tokens and 8 chunks, the tiny model's faster decode steps twice finished a stream, relayed
-# whole into the sockets, before the client had read 8 chunks: no stream was left to kill. The
-# long prompt, 125 tokens, and 320 new ones fit MAX_MODEL_LEN.)
-STREAM_TOKENS = 320
+# of text, which must be long before the end on any machine. The tiny model decodes a token in about
+# 1.3 ms here, and the engine's whole answer fits the sockets' buffers: at 320 tokens (0.4 s) a client
+# starved of CPU by four engines on two cores once read its 4th chunk after the engine had finished,
+# with no stream left to kill. 2000 tokens give it seconds.
+STREAM_TOKENS = 2000
 KILL_AFTER = 4
 
 
@@ -60,8 +60,8 @@ def kill(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory) -> Iterator[tuple[ServerProcess, list[ServerProcess], ServerProcess]]:
     tmp = tmp_path_factory.mktemp("migration")
-    common = ("--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128")
-    model = model_dir("llama")
+    common = ("--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "320")
+    model = model_dir("llama_long")
     prefill = launch_server(model, *common, "--kv-transfer-config", p2p_config("kv_producer", transport="tcp"),
                             tmp_path=tmp)
     decode = [launch_server(model, *common, "--kv-transfer-config", p2p_config("kv_consumer", transport="tcp"),
