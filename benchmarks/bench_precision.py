@@ -14,7 +14,6 @@ measured step times agree (bfloat16 must be faster at both batch sizes to be the
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 
@@ -120,11 +119,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and tokens, for a smoke run")
     parser.add_argument("--no-engine", action="store_true", help="only the matmul rows (no engine start-ups)")
     args = parser.parse_args(argv)
-    from pdserve.engine.config import auto_cpu_dtype, cpu_has_amx_bf16
+    from pdserve.engine.config import auto_cpu_dtype_here
 
     rounds = 2 if args.quick else 4
     rows, best = matmul_rows(rounds, 0.2 if args.quick else 0.5)
-    picked, why = auto_cpu_dtype(torch.bfloat16, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())
+    picked, why = auto_cpu_dtype_here(torch.bfloat16, {"hidden_size": HIDDEN, "num_attention_heads": HEADS,
+                                                       "num_key_value_heads": KV_HEADS, "intermediate_size": INTER})
     bf16_faster = all(best[("bfloat16", r)] < best[("float32", r)] for r in (1, 16))
     measured = "bfloat16" if bf16_faster else "float32"
     auto = str(picked).removeprefix("torch.")

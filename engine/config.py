@@ -10,7 +10,7 @@ import platform
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -178,6 +178,11 @@ class ModelConfig:
         keep_gguf_q8_0 = False
         if quantization in (None, "auto"):
             keep_gguf_q8_0 = device == "cpu" and gguf_q8_0_tensors(cfg) > 0
+            if (keep_gguf_q8_0 and dtype == "auto" and 2 * gguf_q8_0_tensors(cfg) <= len(cfg[GGUF_TYPES_KEY])
+                    and _resolve_dtype(dtype, cfg, device) == torch.bfloat16):
+                # A few Q8_0 tensors among others (the built-in smollm2's embedding, beside 210 Q4_1
+                # ones) do not pull the model into float32 where bfloat16 runs faster here.
+                keep_gguf_q8_0 = False
             if keep_gguf_q8_0 and dtype == "auto":
                 dtype = "float32"  # the int8 matmuls compute in float32; the rest runs exact alongside
             elif keep_gguf_q8_0 and _DTYPES.get(dtype) != torch.float32:
@@ -281,15 +286,19 @@ def cpu_has_amx_bf16() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
-def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool) -> tuple[torch.dtype, str]:
+def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool, native_bf16: bool = False,
+                   timed: Callable[[], tuple[bool, str]] | None = None) -> tuple[torch.dtype, str]:
     """What `dtype auto` runs a checkpoint stored in `checkpoint` as on this CPU, and why.
 
     The rule, from benchmarks/bench_precision.py and the measurements in issue 20: float32
     checkpoints stay float32 (exact, and never slower than a half type). Half checkpoints run in
-    bfloat16 only where AMX does bf16 matmuls: there they are several times faster than float32.
-    AVX512-BF16 alone is not enough: on such a Xeon bf16 decoded 16 streams at 92 tok/s against
-    float32's 110, and without bf16 hardware (AVX2) bf16 is emulated, 3-7x slower. float16 never
-    runs fast on CPUs. Other architectures (ARM) have no cheap probe: bfloat16, as before.
+    bfloat16 where AMX does bf16 matmuls: there they are several times faster than float32.
+    Without bf16 hardware (AVX2) bf16 is emulated, 3-7x slower: float32. With AVX512-BF16 alone
+    the CPU decides: on an Intel Xeon bf16 decoded 16 streams at 92 tok/s against float32's 110, on
+    an AMD EPYC (Zen 4) bf16's step matmuls ran 1.9-3.2x float32's speed; so there `timed()` (the
+    engine/dtype_probe.py verdict: bf16 faster at decode and prefill row counts?) settles it, and
+    without it float32 is kept. float16 never runs fast on CPUs. Other architectures (ARM) have no
+    cheap probe: bfloat16, as before.
     """
     if checkpoint == torch.float32:
         return torch.float32, "float32 checkpoint"
@@ -297,7 +306,31 @@ def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool) -> 
         return torch.bfloat16, f"{machine} CPU: half checkpoints run in bfloat16"
     if amx_bf16:
         return torch.bfloat16, "this CPU has AMX, whose bfloat16 matmuls beat float32"
-    return torch.float32, "this CPU has no AMX, and float32 is faster here than bfloat16"
+    if not native_bf16:
+        return torch.float32, "this CPU has no bfloat16 hardware (emulated bf16 is slower than float32)"
+    if timed is None:
+        return torch.float32, "AVX512-BF16 without AMX, not timed: float32 is never the slower"
+    faster, why = timed()
+    return (torch.bfloat16 if faster else torch.float32), why
+
+
+def auto_cpu_dtype_here(checkpoint: torch.dtype, cfg: dict[str, Any]) -> tuple[torch.dtype, str]:
+    """auto_cpu_dtype on this machine, timing bf16 against float32 on the checkpoint's own layer
+    shapes (`cfg`, its config.json) where the hardware leaves it open."""
+
+    def timed() -> tuple[bool, str]:
+        from pdserve.engine import dtype_probe
+
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        shapes = dtype_probe.shapes(hidden, int(cfg["intermediate_size"]), heads * head_dim, kv_heads * head_dim)
+        verdict = dtype_probe.bf16_beats_float32(tuple(shapes))
+        return verdict.bf16_faster, verdict.why()
+
+    return auto_cpu_dtype(checkpoint, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16(),
+                          native_bf16=cpu_has_native_bf16(), timed=timed)
 
 
 _logged_dtype_choices: set[tuple[str, str]] = set()
@@ -309,7 +342,7 @@ def _resolve_dtype(dtype: str, cfg: dict[str, Any], device: str) -> torch.dtype:
         resolved = _DTYPES.get(name, torch.float32)
         if device != "cpu" or resolved == torch.float32:
             return resolved  # GPUs run the checkpoint's half type natively
-        chosen, why = auto_cpu_dtype(resolved, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())
+        chosen, why = auto_cpu_dtype_here(resolved, cfg)
         key = (name, str(chosen))
         if key not in _logged_dtype_choices:  # once per process, though configs are resolved several times
             _logged_dtype_choices.add(key)

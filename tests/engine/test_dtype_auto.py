@@ -13,13 +13,23 @@ from pdserve.engine.demo import build_random_model
 
 
 @pytest.mark.parametrize("checkpoint", [torch.bfloat16, torch.float16])
-def test_half_checkpoints_run_in_bfloat16_only_on_amx_cpus(checkpoint):
+def test_half_checkpoints_run_in_bfloat16_only_where_it_is_the_faster(checkpoint):
+    def never_timed():
+        raise AssertionError("the hardware settles it: nothing to time")
+
     # Sapphire Rapids and later (AMX): bf16 matmuls are several times faster than float32.
-    assert auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=True)[0] == torch.bfloat16
-    # AVX512-BF16 without AMX (issue 20's Xeon: 92 vs 110 tok/s at 16 streams) and AVX2-only
-    # CPUs (bf16 emulated) are faster in float32: never pick the slower precision.
-    dtype, why = auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=False)
-    assert dtype == torch.float32 and "no AMX" in why
+    assert auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=True, native_bf16=True,
+                          timed=never_timed)[0] == torch.bfloat16
+    # AVX2-only CPUs emulate bf16: never pick the slower precision.
+    dtype, why = auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=False, native_bf16=False, timed=never_timed)
+    assert dtype == torch.float32 and "no bfloat16 hardware" in why
+    # AVX512-BF16 without AMX: slower than float32 on issue 20's Xeon, faster on a Zen 4 EPYC; the
+    # measurement decides, and without one float32 is kept.
+    assert auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=False, native_bf16=True,
+                          timed=lambda: (True, "timed: faster"))[0] == torch.bfloat16
+    assert auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=False, native_bf16=True,
+                          timed=lambda: (False, "timed: slower")) == (torch.float32, "timed: slower")
+    assert auto_cpu_dtype(checkpoint, machine="x86_64", amx_bf16=False, native_bf16=True)[0] == torch.float32
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -43,6 +53,7 @@ def test_engine_config_applies_the_rule_and_logs_it_once(tmp_path, monkeypatch, 
                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="bfloat16")
     monkeypatch.setattr(config.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(config, "_logged_dtype_choices", set())
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)  # the rule alone: nothing timed
     for amx, expected in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda amx=amx: amx)
         with caplog.at_level(logging.INFO, logger="pdserve.engine.config"):
@@ -53,3 +64,23 @@ def test_engine_config_applies_the_rule_and_logs_it_once(tmp_path, monkeypatch, 
         assert len(decisions) == 1 and str(expected).removeprefix("torch.") in decisions[0]
     # An explicit dtype is honoured whatever the CPU.
     assert EngineArgs(model=str(half), device="cpu", dtype="bfloat16").create_engine_config().model.dtype == torch.bfloat16
+
+
+def test_avx512_bf16_without_amx_runs_what_the_probe_timed_faster(tmp_path, monkeypatch):
+    from pdserve.engine import dtype_probe
+
+    half = build_random_model(tmp_path / "bf16", arch="llama", hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="bfloat16")
+    monkeypatch.setattr(config.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    asked = []
+    for faster, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        def verdict(shapes, faster=faster):
+            asked.append(shapes)
+            return dtype_probe.Verdict(faster, {"1": [2.0, 1.0]})
+
+        monkeypatch.setattr(dtype_probe, "bf16_beats_float32", verdict)
+        assert EngineArgs(model=str(half), device="cpu").create_engine_config().model.dtype == expected
+    # The checkpoint's own layer: qkv (2 heads of 32, one KV head), o, gate_up, down.
+    assert asked[0] == ((128, 64), (64, 64), (256, 64), (64, 128))

@@ -7,6 +7,8 @@ weights and must fall back to plain matmuls instead of failing).
 
 from __future__ import annotations
 
+import json
+
 import platform
 import random
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.config import EngineArgs, auto_cpu_dtype, cpu_has_amx_bf16, cpu_has_native_bf16
+from pdserve.engine.config import EngineArgs, auto_cpu_dtype_here, cpu_has_native_bf16
 from pdserve.engine.demo import build_random_model
 from pdserve.engine.model import layers
 from pdserve.engine.model.layers import WIDEN_SLAB_ROWS, linear_widened, packing_supported
@@ -89,8 +91,10 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_fastest(tmp_path):
                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="bfloat16")
     full = build_random_model(tmp_path / "fp32", arch="llama", hidden_size=64, num_hidden_layers=1,
                               num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="float32")
-    # The rule (engine/config.py auto_cpu_dtype): bfloat16 only with AMX on x86, where it beats float32.
-    expected_half = auto_cpu_dtype(torch.bfloat16, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())[0]
+    # The rule (engine/config.py auto_cpu_dtype): bfloat16 only where this CPU runs it faster (AMX, or
+    # AVX512-BF16 timed faster on this model's shapes).
+    cfg = json.loads((half / "config.json").read_text())
+    expected_half = auto_cpu_dtype_here(torch.bfloat16, cfg)[0]
     assert EngineArgs(model=str(half), device="cpu").create_engine_config().model.dtype == expected_half
     assert EngineArgs(model=str(full), device="cpu").create_engine_config().model.dtype == torch.float32
     # An explicit choice is always honoured.

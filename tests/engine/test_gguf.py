@@ -456,3 +456,28 @@ def test_only_q8_0_tensors_stay_int8_and_none_turns_it_off(model_dir, tmp_path, 
         assert all(m.quantized is None and m.weight.dtype == torch.bfloat16 for m in layers)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_a_few_q8_0_tensors_do_not_hold_a_half_model_in_float32(model_dir, tmp_path, cache, monkeypatch, bf16_faster):
+    """dtype auto on a half GGUF where Q8_0 is the minority (the built-in smollm2: one Q8_0 tensor
+    beside 210 Q4_1 ones): where bfloat16 runs faster on this CPU the whole model runs in it; where
+    it does not, the Q8_0 layers stay int8 in float32. A file that is mostly Q8_0 keeps its int8
+    either way."""
+    from pdserve.engine import config, dtype_probe
+    from pdserve.engine.config import ModelConfig
+
+    monkeypatch.setattr(config.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(dtype_probe, "bf16_beats_float32", lambda shapes: dtype_probe.Verdict(bf16_faster, {}))
+    few = write_gguf(tmp_path / "few.gguf", model_dir("llama"), qtype=Q.F16, types={"output.weight": Q.Q8_0})
+    mostly = write_gguf(tmp_path / "mostly.gguf", model_dir("llama"), qtype=Q.Q8_0, types={"output.weight": Q.F16})
+    cfg = ModelConfig.from_pretrained(resolve_model(str(few)))
+    assert json.loads((Path(cfg.path) / "config.json").read_text())["dtype"] in ("float16", "bfloat16")
+    if bf16_faster:
+        assert (cfg.dtype, cfg.quantization) == (torch.bfloat16, None)
+    else:
+        assert (cfg.dtype, cfg.quantization) == (torch.float32, "q8_0")
+    cfg = ModelConfig.from_pretrained(resolve_model(str(mostly)))
+    assert (cfg.dtype, cfg.quantization) == (torch.float32, "q8_0")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import platform
+import json
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from pdserve.engine.config import auto_cpu_dtype, cpu_has_amx_bf16
+from pdserve.engine.config import auto_cpu_dtype_here
 from pdserve.engine.demo import resolve_model
 from pdserve.engine.model.gguf_convert import smollm2_gguf
 
@@ -19,14 +20,15 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    # dtype auto, as `make serve` runs it: bfloat16 where it is the faster (AMX), else float32.
-    if auto_cpu_dtype(torch.bfloat16, machine=platform.machine(), amx_bf16=cpu_has_amx_bf16())[0] == torch.float32:
+    # dtype auto, as `make serve` runs it: bfloat16 where it is the faster (AMX, or AVX512-BF16
+    # timed faster), else float32.
+    cfg = json.loads((Path(resolve_model("smollm2")) / "config.json").read_text())
+    if auto_cpu_dtype_here(torch.bfloat16, cfg)[0] == torch.float32:
         # Here auto means float32: the session's float32 smollm2 server is the same model in the same
         # dtype (its longer max-model-len and 16-token prefill chunks change nothing asserted here),
         # and sharing it saves a smollm2 start-up in make test.
         yield request.getfixturevalue("smollm2_f32_server")
         return
-    resolve_model("smollm2")  # convert here, once, rather than inside the server's start-up wait
     with run_server("smollm2", "--dtype", "auto", tmp_path=tmp_path_factory.mktemp("smollm2")) as s:
         yield s
 

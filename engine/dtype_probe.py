@@ -1,0 +1,164 @@
+"""Whether bfloat16 matmuls beat float32 ones on this CPU, timed once and remembered on disk.
+
+`dtype auto` must never run a half checkpoint in a precision slower than float32 (issue 20). The
+hardware does not settle it where a CPU has AVX512-BF16 but no AMX: on an Intel Xeon of that kind
+bf16 decoded 16 streams more slowly than float32, while on an AMD EPYC (Zen 4) bf16 step matmuls
+ran 3.2x float32's speed at one row and 1.9x at sixteen (benchmarks/bench_precision.py). So there
+the model's own matmul shapes are timed, in both dtypes, through the engine's `linear` with the
+weights prepacked as the engine packs them, at the row counts of a decode step (1 and 16) and of a
+prefill chunk (256). bfloat16 wins only if it is faster at every one of them by a margin. The
+weights are copied until they outgrow the last-level cache, so they stream from memory as in a
+real step. The verdict is kept per CPU, torch version and shape set; later starts read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pdserve.engine.dtype_probe")
+
+ROWS = (1, 16, 256)
+# bfloat16 must beat float32 by this much at every row count: a near tie keeps the exact dtype.
+MARGIN = 1.10
+# Bytes of float32 weights per shape set: past a server CPU's last-level cache (32 MiB here).
+STREAM_BYTES = 96 << 20
+ROUNDS = 5
+PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    bf16_faster: bool
+    # seconds per pass over the copies, per row count: {"1": [float32, bfloat16], ...}
+    seconds: dict[str, list[float]]
+
+    def why(self) -> str:
+        ratios = ", ".join(f"{rows} rows {f32 / bf16:.2f}x" for rows, (f32, bf16) in self.seconds.items())
+        return f"bfloat16 vs float32 matmuls timed on this CPU: {ratios}"
+
+
+def shapes(hidden: int, intermediate: int, q_out: int, kv_out: int) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's matmuls: qkv, o, gate_up, down."""
+    return [(q_out + 2 * kv_out, hidden), (hidden, q_out), (2 * intermediate, hidden), (hidden, intermediate)]
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+    except OSError:
+        lines = [platform.processor()]
+    return "".join(sorted(set(lines)))
+
+
+def _cache_path(layer_shapes: list[tuple[int, int]]) -> Path:
+    from pdserve.engine.demo import cache_root
+
+    digest = hashlib.sha256(json.dumps([PROBE_VERSION, _cpu_identity(), torch.__version__, os.cpu_count(),
+                                        layer_shapes]).encode()).hexdigest()[:16]
+    return cache_root() / "dtype-probe" / f"{digest}.json"
+
+
+def _weights(layer_shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int):
+    from pdserve.engine.model.layers import pack_weight
+
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for _ in range(copies):
+        for out_f, in_f in layer_shapes:
+            w = (torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype)
+            weights.append((w, pack_weight(w)))
+    return weights
+
+
+def _one_row_paths(dtype: torch.dtype) -> list[str | None]:
+    """The single-row paths linear_tuning may give a layer of this dtype (None: the fixed rule):
+    float32's one row is timed by its fastest, as the engine would run it."""
+    from pdserve.engine.model import fused
+
+    if dtype != torch.float32:
+        return [None]
+    return [None, "packed", *(["kernel"] if fused.cpu_kernels_ready() else [])]
+
+
+def _fns(weights, one_row: str | None):
+    from pdserve.engine.model.layers import linear
+
+    return [(w.shape[1], functools.partial(linear, weight=w, bias=None, packed=packed, one_row=one_row))
+            for w, packed in weights]
+
+
+def _pass_s(fns, rows: int, dtype: torch.dtype) -> float:
+    xs = {in_f: torch.randn(rows, in_f).to(dtype) for in_f, _ in fns}
+    for in_f, fn in fns:  # warm: oneDNN creates its primitives on first use
+        fn(xs[in_f])
+    samples = []
+    for _ in range(ROUNDS):
+        began = time.perf_counter()
+        for in_f, fn in fns:
+            fn(xs[in_f])
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples)
+
+
+def measure(layer_shapes: list[tuple[int, int]]) -> Verdict:
+    """Time both dtypes at each row count, on enough copies of the layer to stream from memory."""
+    layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
+    copies = max(1, -(-STREAM_BYTES // layer_bytes))
+    weights = {dtype: _weights(layer_shapes, dtype, copies) for dtype in (torch.float32, torch.bfloat16)}
+    seconds: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for rows in ROWS:
+            seconds[str(rows)] = [
+                min(_pass_s(_fns(weights[dtype], one_row), rows, dtype)
+                    for one_row in (_one_row_paths(dtype) if rows == 1 else [None]))
+                for dtype in (torch.float32, torch.bfloat16)]
+    faster = all(f > b * MARGIN for f, b in seconds.values())
+    return Verdict(faster, seconds)
+
+
+def _read(path: Path) -> Verdict | None:
+    try:
+        return Verdict(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+@functools.cache
+def bf16_beats_float32(layer_shapes: tuple[tuple[int, int], ...]) -> Verdict:
+    """The remembered verdict for these shapes on this CPU, measured first if there is none.
+
+    An API server and its engine core resolve the config at once: the second waits for the
+    first's measurement (one machine-wide turn, as linear_tuning's) and reads its verdict, so both
+    agree and neither times while the other loads the cores."""
+    from pdserve.engine.model.linear_tuning import machine_wide_turn
+
+    path = _cache_path(list(layer_shapes))
+    verdict = _read(path)
+    if verdict is not None:
+        return verdict
+    with machine_wide_turn():
+        verdict = _read(path)
+        if verdict is not None:
+            return verdict
+        log.info("dtype auto: timing bfloat16 against float32 matmuls on this CPU (once per machine)")
+        verdict = measure(list(layer_shapes))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(asdict(verdict)))
+            tmp.replace(path)  # atomic: a reader sees no verdict or a whole one
+        except OSError as exc:
+            log.warning("dtype auto: could not keep the probe's verdict in %s: %s", path, exc)
+    return verdict

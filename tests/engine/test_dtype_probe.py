@@ -1,0 +1,63 @@
+"""engine/dtype_probe.py: bfloat16 against float32 matmuls on this CPU, timed once per machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine import dtype_probe
+
+SHAPES = ((96, 64), (64, 64), (256, 64), (64, 128))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    dtype_probe.bf16_beats_float32.cache_clear()
+    yield tmp_path
+    dtype_probe.bf16_beats_float32.cache_clear()
+
+
+def test_the_shapes_are_one_decoder_layers_matmuls():
+    assert dtype_probe.shapes(hidden=64, intermediate=128, q_out=64, kv_out=32) == [(128, 64), (64, 64), (256, 64),
+                                                                                     (64, 128)]
+
+
+def test_the_verdict_is_bfloat16_faster_at_every_row_count_by_the_margin(monkeypatch):
+    monkeypatch.setattr(dtype_probe, "STREAM_BYTES", 1 << 20)  # small: this test checks the verdict, not speed
+    verdict = dtype_probe.measure(list(SHAPES))
+    assert set(verdict.seconds) == {str(r) for r in dtype_probe.ROWS}
+    assert all(f > 0 and b > 0 for f, b in verdict.seconds.values())
+    assert verdict.bf16_faster == all(f > b * dtype_probe.MARGIN for f, b in verdict.seconds.values())
+    assert "1 rows" in verdict.why() and "256 rows" in verdict.why()
+
+
+def test_the_verdict_is_measured_once_and_read_back_after(cache, monkeypatch):
+    calls = []
+
+    def measure(shapes):
+        calls.append(shapes)
+        return dtype_probe.Verdict(True, {"1": [3.0, 1.0], "16": [2.0, 1.0], "256": [2.0, 1.5]})
+
+    monkeypatch.setattr(dtype_probe, "measure", measure)
+    first = dtype_probe.bf16_beats_float32(SHAPES)
+    assert calls == [list(SHAPES)] and first.bf16_faster
+    stored = list((cache / "dtype-probe").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["bf16_faster"] is True
+    dtype_probe.bf16_beats_float32.cache_clear()  # a new process: reads the file, times nothing
+    assert dtype_probe.bf16_beats_float32(SHAPES) == first and len(calls) == 1
+    # Other shapes are another question.
+    dtype_probe.bf16_beats_float32(((32, 32),))
+    assert len(calls) == 2
+
+
+def test_a_damaged_verdict_file_is_measured_again(cache, monkeypatch):
+    monkeypatch.setattr(dtype_probe, "measure", lambda shapes: dtype_probe.Verdict(False, {"1": [1.0, 2.0]}))
+    dtype_probe.bf16_beats_float32(SHAPES)
+    [stored] = (cache / "dtype-probe").glob("*.json")
+    stored.write_text("{not json")
+    dtype_probe.bf16_beats_float32.cache_clear()
+    assert dtype_probe.bf16_beats_float32(SHAPES).bf16_faster is False
+    assert json.loads(stored.read_text())["bf16_faster"] is False
+
