@@ -321,11 +321,14 @@ def auto_cpu_dtype_here(checkpoint: torch.dtype, cfg: dict[str, Any]) -> tuple[t
     def timed() -> tuple[bool, str]:
         from pdserve.engine import dtype_probe
 
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        shapes = dtype_probe.shapes(hidden, int(cfg["intermediate_size"]), heads * head_dim, kv_heads * head_dim)
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            kv_heads = int(cfg.get("num_key_value_heads") or heads)
+            shapes = dtype_probe.shapes(hidden, int(cfg["intermediate_size"]), heads * head_dim, kv_heads * head_dim)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return False, "the config does not give the layer shapes to time: float32 is never the slower"
         verdict = dtype_probe.bf16_beats_float32(tuple(shapes))
         return verdict.bf16_faster, verdict.why()
 

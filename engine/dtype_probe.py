@@ -34,6 +34,9 @@ MARGIN = 1.10
 # Bytes of float32 weights per shape set: past a server CPU's last-level cache (32 MiB here).
 STREAM_BYTES = 96 << 20
 ROUNDS = 5
+# A big model's matmuls are timed on a band of their rows: its whole layer would cost seconds and
+# gigabytes at start-up, and the ratio asked for does not change with the band's height.
+MAX_WEIGHT_ELEMENTS = 4 << 20
 PROBE_VERSION = 1
 
 
@@ -112,8 +115,14 @@ def _pass_s(fns, rows: int, dtype: torch.dtype) -> float:
     return statistics.median(samples)
 
 
+def bounded(layer_shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The shapes timed: each weight cut to at most MAX_WEIGHT_ELEMENTS, by its output rows."""
+    return [(max(1, min(out_f, MAX_WEIGHT_ELEMENTS // in_f)), in_f) for out_f, in_f in layer_shapes]
+
+
 def measure(layer_shapes: list[tuple[int, int]]) -> Verdict:
     """Time both dtypes at each row count, on enough copies of the layer to stream from memory."""
+    layer_shapes = bounded(layer_shapes)
     layer_bytes = 4 * sum(o * i for o, i in layer_shapes)
     copies = max(1, -(-STREAM_BYTES // layer_bytes))
     weights = {dtype: _weights(layer_shapes, dtype, copies) for dtype in (torch.float32, torch.bfloat16)}
@@ -130,9 +139,10 @@ def measure(layer_shapes: list[tuple[int, int]]) -> Verdict:
 
 def _read(path: Path) -> Verdict | None:
     try:
-        return Verdict(**json.loads(path.read_text()))
+        verdict = Verdict(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
+    return verdict if isinstance(verdict.bf16_faster, bool) and isinstance(verdict.seconds, dict) else None
 
 
 @functools.cache

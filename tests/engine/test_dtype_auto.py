@@ -84,3 +84,14 @@ def test_avx512_bf16_without_amx_runs_what_the_probe_timed_faster(tmp_path, monk
         assert EngineArgs(model=str(half), device="cpu").create_engine_config().model.dtype == expected
     # The checkpoint's own layer: qkv (2 heads of 32, one KV head), o, gate_up, down.
     assert asked[0] == ((128, 64), (64, 64), (256, 64), (64, 128))
+
+
+def test_a_config_without_layer_shapes_keeps_float32_untimed(monkeypatch):
+    from pdserve.engine import dtype_probe
+
+    monkeypatch.setattr(config.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(dtype_probe, "bf16_beats_float32", lambda shapes: pytest.fail("nothing to time"))
+    dtype, why = config.auto_cpu_dtype_here(torch.bfloat16, {"hidden_size": 64, "num_attention_heads": 2})
+    assert dtype == torch.float32 and "layer shapes" in why

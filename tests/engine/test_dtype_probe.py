@@ -61,3 +61,21 @@ def test_a_damaged_verdict_file_is_measured_again(cache, monkeypatch):
     assert dtype_probe.bf16_beats_float32(SHAPES).bf16_faster is False
     assert json.loads(stored.read_text())["bf16_faster"] is False
 
+
+
+def test_a_big_models_weights_are_timed_on_a_bounded_band_of_rows():
+    # A 70B-class layer would be gigabytes: each weight is cut by its output rows, columns kept.
+    big = dtype_probe.shapes(hidden=8192, intermediate=28672, q_out=8192, kv_out=1024)
+    cut = dtype_probe.bounded(big)
+    assert [i for _, i in cut] == [i for _, i in big]
+    assert all(o * i <= dtype_probe.MAX_WEIGHT_ELEMENTS and o >= 1 for o, i in cut)
+    assert dtype_probe.bounded([(96, 64)]) == [(96, 64)]  # small ones are timed whole
+
+
+def test_a_verdict_file_of_the_wrong_form_is_measured_again(cache, monkeypatch):
+    monkeypatch.setattr(dtype_probe, "measure", lambda shapes: dtype_probe.Verdict(False, {"1": [1.0, 2.0]}))
+    dtype_probe.bf16_beats_float32(SHAPES)
+    [stored] = (cache / "dtype-probe").glob("*.json")
+    stored.write_text(json.dumps({"bf16_faster": "yes", "seconds": {}}))
+    dtype_probe.bf16_beats_float32.cache_clear()
+    assert dtype_probe.bf16_beats_float32(SHAPES).bf16_faster is False
