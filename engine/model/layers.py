@@ -91,8 +91,8 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str | None, rows: int) -> str:
     """Which path `linear` takes for a float weight and `rows` rows of input: for a single row, the
-    one linear_tuning measured fastest for this weight (`one_row`: "packed", or our AVX2 kernel on
-    all threads or on one: "kernel", "kernel_serial"); "packed" (oneDNN) for PACKED_ROWS rows;
+    one linear_tuning measured fastest for this weight (`one_row`: "packed", or our kernel on all
+    threads or on one: "kernel", "kernel_serial": float32 on AVX2, bfloat16 on AVX512-BF16); "packed" (oneDNN) for PACKED_ROWS rows;
     "widened" bf16; else "torch" (F.linear). The one-call decode step (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     # One row means one 2-D row: the single-row kernels take 2-D input only.
     path = linear_path(weight, packed, one_row if x.dim() == 2 else None, x.numel() // x.shape[-1])
     if path in ("kernel", "kernel_serial"):
-        y = torch.ops.pdserve_cpu.f32_linear(x, weight, path == "kernel_serial")
+        y = torch.ops.pdserve_cpu.float_linear(x, weight, path == "kernel_serial")
         return y if bias is None else y + bias
     if path == "packed":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model import decode_call, llama
+from pdserve.engine.model import decode_call, linear_tuning, llama
 from pdserve.engine.model.layers import packing_supported
 
 pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1",
@@ -89,9 +89,14 @@ def test_one_call_equals_the_modules_for_every_single_row_path(model_dir, monkey
     assert twice.mismatches == []
 
 
-def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch):
+@pytest.mark.parametrize("path", ["tuned", "kernel"])
+def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch, path):
+    if path == "kernel" and not linear_tuning.bf16_kernel_available():
+        pytest.skip("no AVX512-BF16 on this CPU: the bfloat16 kernel is never chosen (test_linear_tuning checks that)")
     llm = LLM(model_dir("qwen2"), dtype="bfloat16", num_kv_blocks=128)
     try:
+        if path == "kernel":
+            set_paths(llm, "kernel")
         twice = Twice(monkeypatch)
         llm.generate(prompts(1, seed=3), GREEDY)
         llm.generate(prompts(3, seed=4), GREEDY)

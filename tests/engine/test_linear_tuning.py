@@ -99,3 +99,36 @@ def test_engines_on_one_machine_time_their_matmuls_one_at_a_time(monkeypatch, tm
         holder.kill()
         holder.wait()
     assert waited > 0.5
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 160, 52), (1, 7, 33), (1, 64, 576), (2, 37, 100),
+                                                             (1, 1536, 576), (3, 5, 31)])
+@pytest.mark.parametrize("serial", [False, True])
+def test_the_bfloat16_kernel_sums_in_float32_and_rounds_once(rows, out_features, in_features, serial):
+    """bfloat16 weights through our single-row kernel (AVX512-BF16): every output is the float32 sum
+    of the exact bf16 products, rounded to bf16 once; its summation order differs from oneDNN's, so
+    an output may sit one bf16 step from the exactly rounded sum. Shapes cover the row tails (not a
+    multiple of 32 columns) and the tile tails (not a multiple of 4 or 16 output rows). Without the
+    instructions the kernel is not offered, and asked anyway it says why."""
+    assert fused.cpu_kernels_ready()
+    gen = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=gen) / 7).bfloat16()
+    module = ColumnParallelLinear(in_features, out_features, False, torch.bfloat16)
+    module.weight.data.copy_(weight)
+    if not linear_tuning.bf16_kernel_available():
+        assert "kernel" not in linear_tuning.candidates([module], x[:1])
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.pdserve_cpu.float_linear(x, weight, serial)
+        return
+    assert "kernel" in linear_tuning.candidates([module], x[:1])
+    got = torch.ops.pdserve_cpu.float_linear(x, weight, serial)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    exact = x.double() @ weight.double().t()
+    rounded = exact.to(torch.bfloat16).double()
+    step = rounded.abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 step (8 significant bits)
+    assert ((got.double() - rounded).abs() <= step).all()
+    assert (got.double() == rounded).float().mean() > 0.9  # one step away only where the sum sits near a tie
+    module.one_row = "kernel_serial" if serial else "kernel"
+    assert torch.equal(module(x[:1]), got[:1])  # the layer's one-row path is this kernel

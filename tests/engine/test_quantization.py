@@ -90,7 +90,7 @@ def test_grouped_kernel_equals_the_float32_kernel_on_the_dequantized_weight(kern
     scales = torch.rand(out_features, in_features // group, generator=gen) * 0.02
     weight = quant.dequantize(q, scales)
     got = torch.ops.pdserve_cpu.int8_linear(x, q, scales)
-    assert torch.equal(got, torch.ops.pdserve_cpu.f32_linear(x, weight, False))
+    assert torch.equal(got, torch.ops.pdserve_cpu.float_linear(x, weight, False))
     # The slab path (more rows than the kernel takes) multiplies the same float32 weight by MKL.
     torch.testing.assert_close(int8_matmul_slabs(x, q, scales), x @ weight.T, rtol=1e-5, atol=1e-5)
 

@@ -20,7 +20,7 @@ namespace {
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
 enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4 };
 
-using F32Linear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
+using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using RmsNorm = void(const at::Tensor&, const at::Tensor&, double, at::Tensor&);
 using AddRmsNorm = void(at::Tensor&, at::Tensor&, const at::Tensor&, double);
@@ -37,7 +37,7 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 
 // Looked up on first use: the other files of this library register these ops when it loads.
 struct Ops {
-  c10::TypedOperatorHandle<F32Linear> f32_linear = typed_op<F32Linear>("pdserve_cpu::f32_linear");
+  c10::TypedOperatorHandle<FloatLinear> float_linear = typed_op<FloatLinear>("pdserve_cpu::float_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
@@ -66,7 +66,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     }
     case kKernel:
     case kKernelSerial: {
-      at::Tensor y = ops().f32_linear.call(x, weight, path == kKernelSerial);
+      at::Tensor y = ops().float_linear.call(x, weight, path == kKernelSerial);
       return bias.has_value() ? y + *bias : y;
     }
     case kPacked: {

@@ -4,9 +4,11 @@
 //   widened to float32 in registers, so int8 reads about a quarter of float32's bytes; x is never
 //   rounded (weight-only quantization). With groups, each weight is widened and multiplied by its
 //   scale before the FMA: that product is exactly the dequantized float32 weight, so the result
-//   equals `f32_linear` on the dequantized weight to the bit;
-// - `f32_linear`: a float32 weight, for one row where this streams the weight faster than MKL's
-//   gemv or oneDNN's packed layout (engine/model/linear_tuning.py times all three per shape).
+//   equals `float_linear` on the dequantized weight to the bit;
+// - `float_linear`: a float32 weight (AVX2), or a bfloat16 one where the CPU has AVX512-BF16, for
+//   one row where this streams the weight faster than MKL's gemv or oneDNN's packed layout
+//   (engine/model/linear_tuning.py times them per shape). bfloat16 products are summed in float32
+//   (vdpbf16ps) and the result rounded to bfloat16 once, as oneDNN does, in another order.
 //
 // Each task takes a block of output rows; within it, a tile of NR weight rows times MR rows of x
 // is accumulated in AVX2 registers over the whole reduction, so the weight block is read from
@@ -23,6 +25,11 @@
 #define PDSERVE_INT8_AVX2 1
 #else
 #define PDSERVE_INT8_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define PDSERVE_BF16_AVX512 1
+#else
+#define PDSERVE_BF16_AVX512 0
 #endif
 
 namespace {
@@ -281,13 +288,67 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
-at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, bool serial) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "f32_linear: x must be a 2-D float32 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "f32_linear: weight must be a contiguous 2-D float32 tensor");
-  TORCH_CHECK(x.size(1) == weight.size(1), "f32_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
+#if PDSERVE_BF16_AVX512
+// out[j] = sum_k x[k] * w[j][k] for NR rows of w: 32 bfloat16 pairs per vdpbf16ps, a masked load
+// for the tail of the row.
+template <int NR>
+inline void bf16_rows(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k_size, float* out) {
+  __m512 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= k_size; k += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + j * k_size + k), xv);
+  }
+  if (k < k_size) {
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (k_size - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * k_size + k), xv);
+  }
+  for (int j = 0; j < NR; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+// One row of x at a time: bfloat16 serves decode steps of one request only (linear_path).
+void bf16_linear(const at::Tensor& xc, const at::Tensor& weight, at::Tensor& out, bool serial) {
+#if PDSERVE_BF16_AVX512
+  const int64_t n_size = weight.size(0), k_size = weight.size(1);
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  for (int64_t m = 0; m < xc.size(0); ++m) {
+    const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>() + m * xc.stride(0);
+    c10::BFloat16* op = out.data_ptr<c10::BFloat16>() + m * n_size;
+    over_row_blocks(n_size, serial, [&](int64_t n0, int64_t n1) {
+      float sums[4];
+      int64_t n = n0;
+      for (; n + 4 <= n1; n += 4) {
+        bf16_rows<4>(xp, wp + n * k_size, k_size, sums);
+        for (int j = 0; j < 4; ++j) op[n + j] = c10::BFloat16(sums[j]);  // round to nearest even
+      }
+      for (; n < n1; ++n) {
+        bf16_rows<1>(xp, wp + n * k_size, k_size, sums);
+        op[n] = c10::BFloat16(sums[0]);
+      }
+    });
+  }
+#else
+  TORCH_CHECK(false, "float_linear: bfloat16 needs a CPU with AVX512-BF16 (this build has none)");
+#endif
+}
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, bool serial) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float_linear: weight must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype, "float_linear: x must be a 2-D tensor of the weight's dtype");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "float_linear: weight must be a contiguous 2-D tensor");
+  TORCH_CHECK(x.size(1) == weight.size(1), "float_linear: x has ", x.size(1), " columns, weight ", weight.size(1));
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   at::Tensor out = at::empty({xc.size(0), weight.size(0)}, x.options());
+  if (dtype == at::kBFloat16) {
+    bf16_linear(xc, weight, out, serial);
+    return out;
+  }
   small_linear(xc, weight.data_ptr<float>(), static_cast<const float*>(nullptr), weight.size(0), weight.size(1), out,
                serial);
   return out;
@@ -295,17 +356,23 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, bool serial
 
 bool int8_linear_vectorized() { return PDSERVE_INT8_AVX2; }
 
+bool bf16_linear_available() { return PDSERVE_BF16_AVX512; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("f32_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool");
+  m.def("bf16_linear_available() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
-  m.impl("f32_linear", &f32_linear);
+  m.impl("float_linear", &float_linear);
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("int8_linear_vectorized", &int8_linear_vectorized); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) {
+  m.impl("int8_linear_vectorized", &int8_linear_vectorized);
+  m.impl("bf16_linear_available", &bf16_linear_available);
+}
