@@ -37,7 +37,7 @@ ROUNDS = 5
 # A big model's matmuls are timed on a band of their rows: its whole layer would cost seconds and
 # gigabytes at start-up, and the ratio asked for does not change with the band's height.
 MAX_WEIGHT_ELEMENTS = 4 << 20
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,12 @@ def _weights(layer_shapes: list[tuple[int, int]], dtype: torch.dtype, copies: in
 
 def _one_row_paths(dtype: torch.dtype) -> list[str | None]:
     """The single-row paths linear_tuning may give a layer of this dtype (None: the fixed rule):
-    float32's one row is timed by its fastest, as the engine would run it."""
-    from pdserve.engine.model import fused
+    each dtype's one row is timed by its fastest, as the engine would run it."""
+    from pdserve.engine.model import fused, linear_tuning
 
-    if dtype != torch.float32:
-        return [None]
-    return [None, "packed", *(["kernel"] if fused.cpu_kernels_ready() else [])]
+    if dtype == torch.float32:
+        return [None, "packed", *(["kernel"] if fused.cpu_kernels_ready() else [])]
+    return [None, *(["kernel"] if linear_tuning.bf16_kernel_available() else [])]
 
 
 def _fns(weights, one_row: str | None):
@@ -103,7 +103,8 @@ def _fns(weights, one_row: str | None):
 
 
 def _pass_s(fns, rows: int, dtype: torch.dtype) -> float:
-    xs = {in_f: torch.randn(rows, in_f).to(dtype) for in_f, _ in fns}
+    gen = torch.Generator().manual_seed(rows)  # not the global RNG: a caller's seeded draws stay theirs
+    xs = {in_f: torch.randn(rows, in_f, generator=gen).to(dtype) for in_f, _ in fns}
     for in_f, fn in fns:  # warm: oneDNN creates its primitives on first use
         fn(xs[in_f])
     samples = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pdserve.engine import dtype_probe
 
@@ -26,7 +27,9 @@ def test_the_shapes_are_one_decoder_layers_matmuls():
 
 def test_the_verdict_is_bfloat16_faster_at_every_row_count_by_the_margin(monkeypatch):
     monkeypatch.setattr(dtype_probe, "STREAM_BYTES", 1 << 20)  # small: this test checks the verdict, not speed
+    rng = torch.get_rng_state()
     verdict = dtype_probe.measure(list(SHAPES))
+    assert torch.equal(torch.get_rng_state(), rng)  # a caller's seeded draws are left alone
     assert set(verdict.seconds) == {str(r) for r in dtype_probe.ROWS}
     assert all(f > 0 and b > 0 for f, b in verdict.seconds.values())
     assert verdict.bf16_faster == all(f > b * dtype_probe.MARGIN for f, b in verdict.seconds.values())

@@ -322,7 +322,9 @@ def test_q8_0_gguf_shards_stay_int8_and_tp2_equals_tp1(model_dir, tmp_path, monk
         assert generate(llm, prompts) == tp1
     finally:
         llm.shutdown()
-    full = LLM(path, tensor_parallel_size=2, num_kv_blocks=256, quantization="none")
+    # float32 named: with no quantization dtype auto may pick bfloat16 here (engine/dtype_probe.py),
+    # and the bytes below compare int8 against float32 weights.
+    full = LLM(path, tensor_parallel_size=2, num_kv_blocks=256, quantization="none", dtype="float32")
     try:
         floats = executor_of(full).collective_rpc("weight_bytes")
     finally:
