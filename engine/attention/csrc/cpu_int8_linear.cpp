@@ -289,25 +289,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 #if PDSERVE_BF16_AVX512
-// out[j] = sum_k x[k] * w[j][k] for NR rows of w: 32 bfloat16 pairs per vdpbf16ps, a masked load
-// for the tail of the row.
-template <int NR>
-inline void bf16_rows(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k_size, float* out) {
-  __m512 acc[NR];
-  for (int j = 0; j < NR; ++j) acc[j] = _mm512_setzero_ps();
+// sum_k x[k] * w[k] over one weight row: 32 bfloat16 pairs per vdpbf16ps, two accumulators to
+// overlap their latency, a masked load for the tail.
+//
+// One row is read start to end before the next, so a thread's weight reads form one sequential
+// stream. Interleaving four rows (as the float32 tiles do) kept four streams 1 KiB apart, which the
+// hardware prefetchers follow worse: on a Zen 4 EPYC (2 threads, SmolLM2's weights past the
+// last-level cache) that read 18-20 GB/s, this reads 28-35, what a plain sum over the same bytes does.
+inline float bf16_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k_size) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= k_size; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int j = 0; j < NR; ++j)
-      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(w + j * k_size + k), xv);
+  for (; k + 64 <= k_size; k += 64) {
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
   }
-  if (k < k_size) {
-    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << (k_size - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-    for (int j = 0; j < NR; ++j)
-      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * k_size + k), xv);
+  for (; k < k_size; k += 32) {
+    const int64_t left = std::min<int64_t>(32, k_size - k);
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << left) - 1);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k),
+                          (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k));
   }
-  for (int j = 0; j < NR; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 #endif
 
@@ -320,16 +322,7 @@ void bf16_linear(const at::Tensor& xc, const at::Tensor& weight, at::Tensor& out
     const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>() + m * xc.stride(0);
     c10::BFloat16* op = out.data_ptr<c10::BFloat16>() + m * n_size;
     over_row_blocks(n_size, serial, [&](int64_t n0, int64_t n1) {
-      float sums[4];
-      int64_t n = n0;
-      for (; n + 4 <= n1; n += 4) {
-        bf16_rows<4>(xp, wp + n * k_size, k_size, sums);
-        for (int j = 0; j < 4; ++j) op[n + j] = c10::BFloat16(sums[j]);  // round to nearest even
-      }
-      for (; n < n1; ++n) {
-        bf16_rows<1>(xp, wp + n * k_size, k_size, sums);
-        op[n] = c10::BFloat16(sums[0]);
-      }
+      for (int64_t n = n0; n < n1; ++n) op[n] = c10::BFloat16(bf16_row(xp, wp + n * k_size, k_size));  // nearest even
     });
   }
 #else
