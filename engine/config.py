@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from pdserve.engine import cpu_info
 from pdserve.engine.core.liveness import DEFAULT_STEP_TIMEOUT_S
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -176,15 +177,16 @@ class ModelConfig:
             raise ValueError(f"no config.json in model directory {path!r}")
         cfg = json.loads(config_file.read_text())
         keep_gguf_q8_0 = False
+        resolved: torch.dtype | None = None  # dtype resolved, where that had to be done early
         if quantization in (None, "auto"):
             keep_gguf_q8_0 = device == "cpu" and gguf_q8_0_tensors(cfg) > 0
-            if (keep_gguf_q8_0 and dtype == "auto" and 2 * gguf_q8_0_tensors(cfg) <= len(cfg[GGUF_TYPES_KEY])
-                    and _resolve_dtype(dtype, cfg, device) == torch.bfloat16):
+            if keep_gguf_q8_0 and dtype == "auto" and 2 * gguf_q8_0_tensors(cfg) <= len(cfg[GGUF_TYPES_KEY]):
+                resolved = _resolve_dtype(dtype, cfg, device)
                 # A few Q8_0 tensors among others (the built-in smollm2's embedding, beside 210 Q4_1
                 # ones) do not pull the model into float32 where bfloat16 runs faster here.
-                keep_gguf_q8_0 = False
+                keep_gguf_q8_0 = resolved != torch.bfloat16
             if keep_gguf_q8_0 and dtype == "auto":
-                dtype = "float32"  # the int8 matmuls compute in float32; the rest runs exact alongside
+                dtype, resolved = "float32", None  # the int8 matmuls compute in float32; the rest runs exact alongside
             elif keep_gguf_q8_0 and _DTYPES.get(dtype) != torch.float32:
                 # Weights loaded as a half type are rounded already: the file's int8 values are gone.
                 log.info("the GGUF's Q8_0 weights stay int8 in float32 only; dtype %s serves them as %s", dtype, dtype)
@@ -210,7 +212,7 @@ class ModelConfig:
             served_model_name=served_model_name or str(path),
             architecture=arch,
             hf_config=cfg,
-            dtype=_resolve_dtype(dtype, cfg, device),
+            dtype=resolved if resolved is not None else _resolve_dtype(dtype, cfg, device),
             device=device,
             max_model_len=max_model_len,
             vocab_size=cfg["vocab_size"],
@@ -259,12 +261,7 @@ def check_quantization(quantization: str | None, device: str) -> str | None:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of /proc/cpuinfo (Linux); empty where there is no such file."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    return cpu_info.flags()
 
 
 def cpu_has_native_bf16() -> bool:

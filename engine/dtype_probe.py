@@ -18,13 +18,14 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from pdserve.engine import cpu_info
 
 log = logging.getLogger("pdserve.engine.dtype_probe")
 
@@ -56,19 +57,10 @@ def shapes(hidden: int, intermediate: int, q_out: int, kv_out: int) -> list[tupl
     return [(q_out + 2 * kv_out, hidden), (hidden, q_out), (2 * intermediate, hidden), (hidden, intermediate)]
 
 
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))]
-    except OSError:
-        lines = [platform.processor()]
-    return "".join(sorted(set(lines)))
-
-
 def _cache_path(layer_shapes: list[tuple[int, int]]) -> Path:
     from pdserve.engine.demo import cache_root
 
-    digest = hashlib.sha256(json.dumps([PROBE_VERSION, _cpu_identity(), torch.__version__, os.cpu_count(),
+    digest = hashlib.sha256(json.dumps([PROBE_VERSION, cpu_info.identity(), torch.__version__, os.cpu_count(),
                                         layer_shapes]).encode()).hexdigest()[:16]
     return cache_root() / "dtype-probe" / f"{digest}.json"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -32,12 +31,10 @@ _state: dict[str, object] = {}
 
 def _build_name() -> str:
     """Unique per source, torch version and CPU: -march=native code must never run on another CPU."""
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
-    except OSError:
-        flags = platform.processor()
+    from pdserve.engine import cpu_info
+
     digest = hashlib.sha256()
-    for part in [flags, torch.__version__, "openmp", *(s.read_text() for s in SOURCES)]:
+    for part in [cpu_info.identity(), torch.__version__, "openmp", *(s.read_text() for s in SOURCES)]:
         digest.update(part.encode())
     return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
 

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from pdserve.engine import cpu_info
+
 RESULTS_DIR = Path(os.environ.get("PDSERVE_BENCH_DIR", "bench-results"))
 
 
@@ -38,20 +40,10 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def machine_info() -> dict[str, Any]:
     """What a result depends on: on CPUs the vector extensions decide bf16 speed by several times."""
     info: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                            "platform": platform.platform(), "cpu": _cpu_model()}
+                            "platform": platform.platform(), "cpu": cpu_info.model_name()}
     try:
         import torch
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pdserve.engine import dtype_probe
+from pdserve.engine import cpu_info, dtype_probe
 
 SHAPES = ((96, 64), (64, 64), (256, 64), (64, 128))
 
@@ -53,6 +53,24 @@ def test_the_verdict_is_measured_once_and_read_back_after(cache, monkeypatch):
     # Other shapes are another question.
     dtype_probe.bf16_beats_float32(((32, 32),))
     assert len(calls) == 2
+
+
+def test_a_verdict_timed_on_another_cpu_is_not_read_here(cache, monkeypatch):
+    """A home folder moved to another machine (or a container image's cache) must not carry one
+    CPU's verdict to another: the file is keyed by the CPU's model name and flags."""
+    calls = []
+    monkeypatch.setattr(dtype_probe, "measure", lambda shapes: calls.append(shapes) or dtype_probe.Verdict(
+        len(calls) == 1, {"1": [2.0, 1.0]}))
+    assert dtype_probe.bf16_beats_float32(SHAPES).bf16_faster is True
+    monkeypatch.setattr(cpu_info, "identity", lambda: "Another CPU | avx2 fma")
+    dtype_probe.bf16_beats_float32.cache_clear()
+    assert dtype_probe.bf16_beats_float32(SHAPES).bf16_faster is False and len(calls) == 2
+    assert len(list((cache / "dtype-probe").glob("*.json"))) == 2
+
+
+def test_the_cpu_identity_names_the_model_and_flags():
+    assert cpu_info.model_name() in cpu_info.identity()
+    assert all(flag in cpu_info.identity().split() for flag in cpu_info.flags())
 
 
 def test_a_damaged_verdict_file_is_measured_again(cache, monkeypatch):
