@@ -102,6 +102,22 @@ def test_engines_on_one_machine_time_their_matmuls_one_at_a_time(monkeypatch, tm
 
 
 @needs_kernels
+@pytest.mark.parametrize("out_features, in_features", [(7, 13), (33, 77), (5, 16), (9, 48), (1001, 577), (64, 1536)])
+@pytest.mark.parametrize("serial", [False, True])
+def test_the_float32_kernel_at_one_row_sums_every_product(out_features, in_features, serial):
+    """float32 weights at one row of x (a lone decode), through our kernel: each output is the
+    float32 sum of its products, whatever the reduction's tail (not a multiple of 16 or 64)."""
+    assert fused.cpu_kernels_ready()
+    gen = torch.Generator().manual_seed(out_features * in_features)
+    x = torch.randn(1, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    got = torch.ops.pdserve_cpu.float_linear(x, weight, serial)
+    exact = x.double() @ weight.double().t()
+    bound = 1e-5 * (x.double().abs() @ weight.double().abs().t()) + 1e-6
+    assert got.shape == (1, out_features) and torch.all((got.double() - exact).abs() <= bound)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 160, 52), (1, 7, 33), (1, 64, 576), (2, 37, 100),
                                                              (1, 1536, 576), (3, 5, 31)])
 @pytest.mark.parametrize("serial", [False, True])

@@ -244,6 +244,7 @@ void small_linear_with(const at::Tensor& xc, const W* wp, const float* sp, int64
 // kept a core waiting on its own FMA chain, at about half the memory's bandwidth. float32 and int8
 // weights share this order at one row, so a Q8_0 layer still gives what float32 gives on its
 // dequantized weight, to the bit.
+constexpr int kChains = 4;
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
@@ -256,40 +257,29 @@ inline __m512 group_scales16(const float* gs, int64_t k, int64_t group, int64_t 
   return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
 
-// sum_k x[k] * w[k] (* its group's scale where gs is given).
+// sum_k x[k] * w[k] (* its group's scale where gs is given). Chunk j of 16 goes to chain j % 4.
 template <typename W>
 inline float row_dot16(const float* x, const W* w, int64_t k_size, const float* gs, int64_t group) {
   constexpr __mmask16 all = 0xFFFF;
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_setzero_ps();
+  // Power-of-two groups (Q8_0's 32) find their scale by a shift, not a division per chunk.
+  const int shift = (gs != nullptr && group >= 16 && (group & (group - 1)) == 0) ? __builtin_ctzll(group) : -1;
   auto chunk = [&](int64_t k, __mmask16 m, int chain) {
     __m512 wv = load16(w + k, m);
-    if (gs != nullptr) wv = _mm512_mul_ps(wv, group_scales16(gs, k, group, k_size));
+    if (gs != nullptr)
+      wv = _mm512_mul_ps(wv, shift >= 0 ? _mm512_set1_ps(gs[k >> shift]) : group_scales16(gs, k, group, k_size));
     acc[chain] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), wv, acc[chain]);
   };
   int64_t k = 0;
-  if (gs != nullptr && group % 32 == 0) {
-    // Whole groups of two chunks or more (Q8_0's 32): one scale per group, no division per chunk.
-    for (int64_t g = 0; k < k_size; ++g) {
-      const __m512 s = _mm512_set1_ps(gs[g]);
-      for (const int64_t end = k + group; k < end; k += 32) {
-        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_mul_ps(load16(w + k, all), s), acc[0]);
-        acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), _mm512_mul_ps(load16(w + k + 16, all), s), acc[1]);
-      }
-    }
-  } else {
-    for (; k + 32 <= k_size; k += 32) {
-      chunk(k, all, 0);
-      chunk(k + 16, all, 1);
-    }
-    int chain = 0;
-    if (k + 16 <= k_size) {
-      chunk(k, all, 0);
-      k += 16;
-      chain = 1;
-    }
-    if (k < k_size) chunk(k, static_cast<__mmask16>((1u << (k_size - k)) - 1), chain);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  for (; k + 16 * kChains <= k_size; k += 16 * kChains)
+    for (int c = 0; c < kChains; ++c) chunk(k + 16 * c, all, c);
+  int chain = 0;
+  for (; k + 16 <= k_size; k += 16) chunk(k, all, chain++);
+  if (k < k_size) chunk(k, static_cast<__mmask16>((1u << (k_size - k)) - 1), chain);
+  __m512 total = acc[0];
+  for (int c = 1; c < kChains; ++c) total = _mm512_add_ps(total, acc[c]);
+  return _mm512_reduce_add_ps(total);
 }
 
 // out = x wᵀ for one row of x: row scales `sp` (per output) or group scales `gs` (ldg per row).
