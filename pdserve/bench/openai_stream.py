@@ -190,9 +190,27 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
     """POST `payload` to `url` and time the streamed answer. Never raises for what the server or the
     network does: errors and timeouts (the whole request, connection to last byte, is bounded by
     `timeout`) come back as a failed RequestResult."""
-    result = RequestResult(ok=False, index=index, prompt_tokens=prompt_len)
-    sent = time.perf_counter()
-    result.start = sent - (origin if origin is not None else sent)
+    for attempt in range(1 + STALE_CONNECTION_RETRIES):
+        result = RequestResult(ok=False, index=index, prompt_tokens=prompt_len)
+        sent = time.perf_counter()
+        result.start = sent - (origin if origin is not None else sent)
+        try:
+            return await _attempt(client, url, payload, headers, timeout, result, sent)
+        except httpx.RemoteProtocolError as exc:
+            # No response at all: the pooled connection was closed by the server as the request went
+            # out (llama-server ends keep-alive connections after a few requests). The server never
+            # saw this request, so it goes again, on a fresh connection.
+            result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
+    return result
+
+
+# How often a request whose pooled connection turned out closed (no response at all) is sent again.
+STALE_CONNECTION_RETRIES = 2
+
+
+async def _attempt(client: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str] | None,
+                   timeout: float, result: RequestResult, sent: float) -> RequestResult:
+    """One try of stream_request; raises only httpx.RemoteProtocolError before any response."""
     timing = _Timing(result, sent)
     try:
         await asyncio.wait_for(_exchange(client, url, payload, headers, timing), timeout)
@@ -202,6 +220,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
             result.error = f"timed out after {timeout:g} s"
     except StreamError as exc:
         result.error = str(exc)
+    except httpx.RemoteProtocolError as exc:
+        if result.status is None and not timing.result.ok:
+            raise
+        result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
     except (OSError, ValueError, RuntimeError) as exc:

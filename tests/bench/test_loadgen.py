@@ -256,3 +256,46 @@ async def test_exact_prompt_lengths_reach_the_server(server, tiny_tokenizer_dir)
     assert sorted(s.body["prompt"] for s in server.fake.served) == sorted(it.prompt for it in items)
     for it in items:
         assert len(tokenizer.encode(it.prompt, add_special_tokens=False)) == it.prompt_len
+
+
+async def _closing_server(closes_first: int):
+    """A raw HTTP server that closes its first `closes_first` connections on reading the request,
+    answering nothing (as llama-server does to a keep-alive connection it has ended), then streams
+    one completion token. Returns the server and the list of connections it took."""
+    seen: list[bool] = []
+    body = (b'data: {"choices": [{"index": 0, "text": "hi", "finish_reason": null}]}\n\n'
+            b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+        await reader.readexactly(length)
+        answered = len(seen) >= closes_first
+        seen.append(answered)
+        if answered:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), seen
+
+
+@pytest.mark.parametrize("closes_first, ok", [(1, True), (2, True), (10, False)])
+async def test_a_request_whose_connection_closes_unanswered_is_sent_again(closes_first, ok):
+    """A connection closed before any response means the server never took the request: it goes
+    again (a bounded number of times), so a peer's keep-alive policy does not count as failures."""
+    import httpx
+
+    from pdserve.bench.openai_stream import STALE_CONNECTION_RETRIES, stream_request
+
+    srv, seen = await _closing_server(closes_first)
+    port = srv.sockets[0].getsockname()[1]
+    async with srv, httpx.AsyncClient(trust_env=False) as client:
+        result = await stream_request(client, f"http://127.0.0.1:{port}/v1/completions",
+                                      {"model": "m", "prompt": "x", "stream": True}, timeout=5.0)
+    assert result.ok is ok
+    if ok:
+        assert result.output_tokens == 1 and seen == [False] * closes_first + [True]
+    else:
+        assert "RemoteProtocolError" in result.error and len(seen) == 1 + STALE_CONNECTION_RETRIES
