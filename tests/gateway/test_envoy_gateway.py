@@ -35,7 +35,13 @@ def tmp(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(model_dir) -> str:
-    return model_dir("llama")
+    return model_dir("llama_long")  # room for a stream that outlasts the client's first read (LONG_ENGINE_ARGS)
+
+
+# The tiny model decodes a token in about a millisecond: a 400-token stream could end before a
+# client starved of CPU by four servers on two cores read its first chunk. 2000 tokens last
+# seconds; the later flags override support.gateway's.
+LONG_ENGINE_ARGS = ("--max-model-len", "4096", "--num-kv-blocks", "400")
 
 
 @dataclass
@@ -56,7 +62,7 @@ def stack(model, tmp) -> Iterator[Stack]:
     Everything is launched at once: the EPPs start while the engines load."""
     launched: list[ServerProcess] = []
     try:
-        launched += launch_engines(model, tmp, ["prefill", "decode", "decode"])
+        launched += launch_engines(model, tmp, ["prefill", "decode", "decode"], *LONG_ENGINE_ARGS)
         prefill, pool = launched[0], launched[1:]
         single_epp = launch_epp(tmp, pool, "--max-body-bytes", str(EPP_BODY_LIMIT))
         launched.append(single_epp.server)
@@ -109,7 +115,7 @@ def test_a_stream_reaches_the_client_while_the_engine_still_generates(stack):
 
     wait_until(lambda: running() == 0, "idle engines")
     stream = client(stack.single.url).completions.create(
-        model=MODEL, prompt="Stream", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        model=MODEL, prompt="Stream", max_tokens=2000, temperature=0, stream=True, extra_body={"ignore_eos": True})
     first = next(chunk for chunk in stream if chunk.choices and chunk.choices[0].text)
     assert first.choices[0].finish_reason is None and running() == 1
     assert sum(1 for _ in stream) > 1  # the rest follows, to the end
