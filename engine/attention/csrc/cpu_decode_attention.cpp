@@ -141,12 +141,15 @@ inline Vec::T vexp(Vec::T x) {
 // Ask for the next block's rows of this head while the current block is computed: blocks sit
 // anywhere in the cache and a head is a strided part of each row, which the hardware
 // prefetcher does not follow, so without this every block starts with a round trip to DRAM.
+// Into L2, not L1: asked into L1, 32 lines a block, the requests outran what the core keeps in
+// flight and decode batches of 16 and 64 read the cache at 12-13 GB/s on a Zen 4 EPYC; into L2,
+// 17-20 GB/s (batch 16: 7.1 -> 4.8 ms of attention per step of 30 layers).
 template <typename scalar_t, int D>
 inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t c_slot) {
   constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   for (int64_t s = 0; s < rows; ++s)
     for (int64_t l = 0; l < lines; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(block + s * c_slot) + 64 * l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + s * c_slot) + 64 * l, _MM_HINT_T1);
 }
 
 // One (request, KV head): its `group` query heads against `len` cached positions. The head size
