@@ -200,8 +200,12 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
             # No response at all: the pooled connection was closed by the server as the request went
             # out (llama-server ends keep-alive connections after a few requests). The server never
             # saw this request, so it goes again, on a fresh connection.
-            result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
+            result.error = _http_error(exc)
     return result
+
+
+def _http_error(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
 
 
 # How often a request whose pooled connection turned out closed (no response at all) is sent again.
@@ -220,12 +224,10 @@ async def _attempt(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
             result.error = f"timed out after {timeout:g} s"
     except StreamError as exc:
         result.error = str(exc)
-    except httpx.RemoteProtocolError as exc:
-        if result.status is None and not timing.result.ok:
-            raise
-        result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
     except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {_clip(str(exc)) or 'connection failed'}"
+        if isinstance(exc, httpx.RemoteProtocolError) and result.status is None:
+            raise  # no response at all: stream_request sends it again
+        result.error = _http_error(exc)
     except (OSError, ValueError, RuntimeError) as exc:
         # Whatever else one odd exchange throws (a socket error httpx did not wrap, a body it could
         # not decode) fails that request, not the run.

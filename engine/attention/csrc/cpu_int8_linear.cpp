@@ -239,9 +239,9 @@ void small_linear_with(const at::Tensor& xc, const W* wp, const float* sp, int64
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define PDSERVE_ROW_AVX512 1
 // One row of x (a lone decode) where the CPU has AVX-512: each weight row is read start to end, 16
-// products per FMA, in two chains (even and odd 16-wide chunks of k) summed once at the end. Four
-// times what one 8-wide chain per row computes per cycle: an int8 weight row widened 8 at a time
-// kept a core waiting on its own FMA chain, at about half the memory's bandwidth. float32 and int8
+// products per FMA, in kChains chains (chunk j of 16 goes to chain j % kChains) summed once at the
+// end. An int8 weight row widened 8 at a time in one chain kept a core waiting on that chain, at
+// about half the memory's bandwidth. float32 and int8
 // weights share this order at one row, so a Q8_0 layer still gives what float32 gives on its
 // dequantized weight, to the bit.
 constexpr int kChains = 4;
@@ -257,7 +257,7 @@ inline __m512 group_scales16(const float* gs, int64_t k, int64_t group, int64_t 
   return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
 }
 
-// sum_k x[k] * w[k] (* its group's scale where gs is given). Chunk j of 16 goes to chain j % 4.
+// sum_k x[k] * w[k] (* its group's scale where gs is given).
 template <typename W>
 inline float row_dot16(const float* x, const W* w, int64_t k_size, const float* gs, int64_t group) {
   constexpr __mmask16 all = 0xFFFF;
