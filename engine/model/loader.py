@@ -98,7 +98,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         count = quantize_model(model, cfg.quantization, only=only, lossless=cfg.keep_gguf_q8_0)
         log.info("quantized %d weight matrices to %s%s (%s)", count, cfg.quantization,
                  ", as the GGUF file stores them" if cfg.keep_gguf_q8_0 else "",
-                 "AVX2 kernel for decode" if kernel_available() else "float32 slabs only: no vectorized kernel")
+                 "int8 kernels for decode and prefill" if kernel_available() else "float32 slabs only: no vectorized kernel")
     # The float weights left (all of them without quantization) get the CPU's fast paths.
     if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
         packed = pack_model_weights(model)

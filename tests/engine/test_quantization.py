@@ -95,11 +95,55 @@ def test_grouped_kernel_equals_the_float32_kernel_on_the_dequantized_weight(kern
     torch.testing.assert_close(int8_matmul_slabs(x, q, scales), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, out_features, in_features, group", [
+    (25, 40, 600, 8),      # reduction slices of 256 with a tail of 88, groups of 8 crossing them
+    (47, 16, 576, 32),     # one panel exactly, Q8_0's groups
+    (300, 130, 1536, 32),  # two blocks of x rows, a part panel at the end
+    (33, 1001, 577, None),  # row scales, a reduction that is no multiple of 16
+    (64, 7, 64, None),     # fewer output rows than one panel
+])
+def test_int8_gemm_computes_the_dequantized_product(kernels_ready, rows, out_features, in_features, group):
+    """Prefill's GEMM: float32 sums of the products with the dequantized weight, within 1e-5 of the
+    sum of their magnitudes, on a strided x too."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features + 5, generator=gen)[:, 2:in_features + 2]
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    scales = torch.rand(out_features, in_features // group if group else 1, generator=gen).squeeze(1) * 0.02 + 1e-3
+    w = quant.dequantize(q, scales).double()
+    got = torch.ops.pdserve_cpu.int8_gemm(x, q, scales)
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert got.shape == (rows, out_features) and torch.all((got.double() - x.double() @ w.T).abs() <= bound)
+
+
+def test_int8_gemm_gives_a_row_the_same_result_in_any_batch(kernels_ready):
+    """Each output is one sum over k in order, whatever the rows beside it: a prompt's activations do
+    not depend on which other prompts share its prefill chunk."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(200, 576, generator=gen)
+    q = torch.randint(-127, 128, (100, 576), dtype=torch.int8, generator=gen)
+    scales = torch.rand(100, 18, generator=gen) * 0.02
+    whole = torch.ops.pdserve_cpu.int8_gemm(x, q, scales)
+    for lo, hi in ((0, 1), (5, 18), (150, 200)):
+        assert torch.equal(torch.ops.pdserve_cpu.int8_gemm(x[lo:hi], q, scales), whole[lo:hi])
+
+
+def test_int8_layer_takes_the_gemm_past_the_register_kernels_rows(kernels_ready):
+    if not quant.gemm_available():
+        pytest.skip("no vectorized int8 GEMM here")
+    gen = torch.Generator().manual_seed(9)
+    layer = Int8Linear(torch.randn(48, 64, generator=gen), group=32)
+    x = torch.randn(quant.SMALL_ROWS + 1, 64, generator=gen)
+    assert not layer.kernel_takes(x.shape[0]) and layer.use_gemm
+    assert torch.equal(layer(x), torch.ops.pdserve_cpu.int8_gemm(x, layer.qweight, layer.scales))
+
+
 def test_grouped_kernel_refuses_groups_that_do_not_split_a_row(kernels_ready):
     x, q = torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.int8)
     for groups in (5, 24):  # 96 / 5 is no whole number; 96 / 24 = 4 is no multiple of 8
         with pytest.raises(RuntimeError, match="groups do not split a row"):
             torch.ops.pdserve_cpu.int8_linear(x, q, torch.ones(4, groups))
+    with pytest.raises(RuntimeError, match="groups do not split a row"):
+        torch.ops.pdserve_cpu.int8_gemm(x, q, torch.ones(4, 5))
     with pytest.raises(ValueError, match="groups of 12"):
         Int8Linear(torch.randn(4, 96), group=12)
 
