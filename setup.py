@@ -21,5 +21,5 @@ for name, folder in PACKAGE_ROOTS.items():
 setup(
     packages=packages,
     package_dir=PACKAGE_ROOTS,
-    package_data={"pdserve.engine": ["demo/*.json", "attention/csrc/*.cpp"]},
+    package_data={"pdserve.engine": ["demo/*.json", "attention/csrc/*.cpp", "attention/csrc/*.h"]},
 )

@@ -1,4 +1,5 @@
-"""The CPU attention backend: decode rows through our C++ kernel, prefills through SDPA."""
+"""The CPU attention backend: decode rows and prefills through our C++ kernels (prefills through
+SDPA for head sizes the prefill kernel does not take)."""
 
 from __future__ import annotations
 
@@ -20,5 +21,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if nd:
         cpu_kernels.decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                      scale, out[:nd])
-    torch_paged.prefill_attention(query, key_cache, value_cache, meta, meta.backend_plan, scale, key, value, out)
+    torch_paged.prefill_attention(query, key_cache, value_cache, meta, meta.backend_plan, scale, key, value, out,
+                                  kernel=True)
     return out

@@ -24,7 +24,9 @@ log = logging.getLogger("pdserve.engine.cpu_kernels")
 # (many rows), and the loop that runs a decode step's layers in one call.
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp",
                                                                 "cpu_int8_linear.cpp", "cpu_int8_gemm.cpp",
-                                                                "cpu_kv_write.cpp", "cpu_decode_step.cpp")]
+                                                                "cpu_kv_write.cpp", "cpu_decode_step.cpp",
+                                                                "cpu_prefill_attention.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_simd.h"]  # included by the sources: part of the build's name
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -34,7 +36,7 @@ def _build_name() -> str:
     from pdserve.engine import cpu_info
 
     digest = hashlib.sha256()
-    for part in [cpu_info.identity(), torch.__version__, "openmp", *(s.read_text() for s in SOURCES)]:
+    for part in [cpu_info.identity(), torch.__version__, "openmp", *(s.read_text() for s in SOURCES + HEADERS)]:
         digest.update(part.encode())
     return f"pdserve_cpu_kernels_{digest.hexdigest()[:12]}"
 

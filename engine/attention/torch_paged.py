@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the reference, and the CPU path.
 
 Decodes (one query each) run as one batched SDPA call over their context gathered into a padded
-tensor; prefills run one SDPA call per request. Gather indices are planned once per step and
+tensor; prefills run one SDPA call per request (the CPU backend passes them to its C++ kernel). Gather indices are planned once per step and
 shared by all layers, so each layer pays only the gather and the attention itself.
 """
 
@@ -98,28 +98,37 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                       p: TorchAttentionPlan, scale: float, key: torch.Tensor | None, value: torch.Tensor | None,
-                      out: torch.Tensor) -> None:
-    """The rows of requests with more than one query token, one SDPA call per request.
+                      out: torch.Tensor, kernel: bool = False) -> None:
+    """The rows of requests with more than one query token, one call per request: our C++ kernel
+    with `kernel` (the CPU backend, for head sizes it takes), else SDPA.
 
-    Inputs go in as 4-D [1, heads, len, dim]: on CPU only then does SDPA take its flash kernel
-    (with grouped KV heads too); 3-D inputs fall to the unfused math path, 2-3x slower at 512
-    tokens.
+    SDPA's inputs go in as 4-D [1, heads, len, dim]: on CPU only then does SDPA take its flash
+    kernel (with grouped KV heads too); 3-D inputs fall to the unfused math path, 2-3x slower at
+    512 tokens.
     """
     num_kv_heads, head_dim = key_cache.shape[-2], key_cache.shape[-1]
     k_flat = key_cache.view(-1, num_kv_heads, head_dim)
     v_flat = value_cache.view(-1, num_kv_heads, head_dim)
     gqa = query.shape[1] != num_kv_heads
+    kernel = kernel and bool(torch.ops.pdserve_cpu.prefill_attention_takes(head_dim))
     for pf in p.prefills:
-        q = _heads_first(query[pf.query_start:pf.query_end])
+        rows = slice(pf.query_start, pf.query_end)
         if pf.slots is None:
-            k_src = key[pf.query_start:pf.query_end] if key is not None else k_flat[_own_slots(meta, pf)]
-            v_src = value[pf.query_start:pf.query_end] if value is not None else v_flat[_own_slots(meta, pf)]
+            k_src = key[rows] if key is not None else k_flat[_own_slots(meta, pf)]
+            v_src = value[rows] if value is not None else v_flat[_own_slots(meta, pf)]
+        else:
+            k_src, v_src = k_flat[pf.slots], v_flat[pf.slots]
+        if kernel:  # causal with the chunk's queries at the end of its keys, as pf.mask says
+            torch.ops.pdserve_cpu.prefill_attention(query[rows], k_src, v_src, scale, out[rows])
+            continue
+        q = _heads_first(query[rows])
+        if pf.slots is None:
             o = F.scaled_dot_product_attention(q, _heads_first(k_src), _heads_first(v_src), is_causal=True,
                                                scale=scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(q, _heads_first(k_flat[pf.slots]), _heads_first(v_flat[pf.slots]),
-                                               attn_mask=pf.mask, scale=scale, enable_gqa=gqa)
-        out[pf.query_start:pf.query_end] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, _heads_first(k_src), _heads_first(v_src), attn_mask=pf.mask,
+                                               scale=scale, enable_gqa=gqa)
+        out[rows] = o[0].transpose(0, 1)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

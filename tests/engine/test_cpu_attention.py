@@ -51,6 +51,12 @@ CASES = [
     ([1] * 9, [0, 1, 2, 15, 16, 17, 33, 64, 129], 12, 4, 64, 16),
     # Twelve query heads per KV head and a head size of 40: the kernel's portable loop, not SIMD.
     ([1, 1, 1], [20, 7, 50], 12, 1, 40, 16),
+    # Prefills longer than the prefill kernel's blocks of queries and keys, with and without
+    # earlier context, beside decodes; SmolLM2's heads (9 over 3 KV heads of 64).
+    ([1, 150, 70], [10, 0, 130], 9, 3, 64, 16),
+    ([200], [0], 4, 2, 32, 16),
+    ([1, 65, 3], [3, 40, 0], 4, 1, 128, 16),
+    ([30, 12], [5, 0], 4, 2, 24, 16),  # a head size of 24: not whole vectors, so SDPA takes it
 ]
 
 
@@ -73,9 +79,10 @@ def test_paged_attention_matches_definition_fp32(case, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cpu_kernel_low_precision_close_to_fp32(dtype):
+@pytest.mark.parametrize("query_lens, context_lens", [([1] * 6, [7, 16, 30, 50, 1, 90]), ([1, 1, 90, 33], [7, 16, 0, 70])])
+def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens):
     assert cpu_kernels.available()
-    query, kc, vc, meta = make_case([1] * 6, [7, 16, 30, 50, 1, 90], 8, 2, 64, 16, dtype, seed=3)
+    query, kc, vc, meta = make_case(query_lens, context_lens, 8, 2, 64, 16, dtype, seed=3)
     scale = 64 ** -0.5
     expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(), meta.seq_lens_np.tolist(),
                                                  meta.block_tables, scale)
@@ -92,3 +99,17 @@ def test_write_kv_places_tokens_at_their_slots():
     torch_paged.write_kv(key, value, kc, vc, torch.tensor([13, 2, 5]))
     assert torch.equal(kc[3, 1], key[0]) and torch.equal(kc[0, 2], key[1]) and torch.equal(vc[1, 1], value[2])
     assert int((kc != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_prefill_kernel_refuses_what_it_cannot_compute():
+    assert cpu_kernels.available()
+    q, kv = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    with pytest.raises(RuntimeError, match="fewer keys"):
+        torch.ops.pdserve_cpu.prefill_attention(q, kv[:3], kv[:3], 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="do not share"):
+        torch.ops.pdserve_cpu.prefill_attention(torch.randn(5, 3, 32), kv, kv, 1.0, torch.empty(5, 3, 32))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.pdserve_cpu.prefill_attention(q, kv.bfloat16(), kv.bfloat16(), 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="side by side"):
+        # heads 64 floats apart, not 32: a head_dim slice of wider rows
+        torch.ops.pdserve_cpu.prefill_attention(torch.randn(5, 4, 64)[..., :32], kv, kv, 1.0, torch.empty_like(q))

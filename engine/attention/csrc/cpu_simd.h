@@ -1,0 +1,138 @@
+// The float32 vector primitives our CPU attention kernels share: 16 lanes with AVX-512, 8 with
+// AVX2 + FMA (AMD EPYC before Zen 4, older Xeons), and no PDSERVE_SIMD on anything older (the
+// kernels keep scalar loops for that). Rows of float32, bfloat16 or float16 widen to float32.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pdserve_simd {
+
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
+  // bfloat16 is the high half of a float32: widening is a 16-bit shift, which vectorizes.
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+inline void load_row(const at::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+inline void store_row(const float* src, at::Half* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// The fast path works on float32 vectors of Vec::L lanes: 16 with AVX-512, 8 with AVX2 + FMA
+// (AMD EPYC before Zen 4, older Xeons). The algorithm is the same; only these primitives differ.
+#if defined(__AVX512F__)
+#define PDSERVE_SIMD 1
+
+struct Vec {
+  using T = __m512;
+  static constexpr int L = 16;
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const at::BFloat16* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static T load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, T x) { _mm512_storeu_ps(p, x); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float reduce_add(T x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(T x) { return _mm512_reduce_max_ps(x); }
+  static T round(T x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // y * 2^n for integral n in [-126, 0]
+  static T scale2(T y, T n) { return _mm512_scalef_ps(y, n); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDSERVE_SIMD 1
+
+struct Vec {
+  using T = __m256;
+  static constexpr int L = 8;
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const at::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static T load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, T x) { _mm256_storeu_ps(p, x); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float reduce_add(T x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float reduce_max(T x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static T round(T x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // y * 2^n for integral n in [-126, 0]: n goes straight into the exponent bits.
+  static T scale2(T y, T n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+  }
+};
+#endif
+
+#if defined(PDSERVE_SIMD)
+// exp(x) for x <= 0 = 2^n * 2^f with n = round(x log2 e) and f in [-1/2, 1/2]; 2^f by a degree-6
+// polynomial (relative error below 2e-7, about one float32 ulp). Below -87 it underflows to ~0.
+inline Vec::T vexp(Vec::T x) {
+  const Vec::T t = Vec::mul(Vec::max(x, Vec::set1(-87.f)), Vec::set1(1.4426950408889634f));
+  const Vec::T n = Vec::round(t);
+  const Vec::T f = Vec::sub(t, n);
+  Vec::T y = Vec::set1(1.5403530393381606e-4f);
+  y = Vec::fmadd(y, f, Vec::set1(1.3333558146428443e-3f));
+  y = Vec::fmadd(y, f, Vec::set1(9.6181291076284772e-3f));
+  y = Vec::fmadd(y, f, Vec::set1(5.5504108664821580e-2f));
+  y = Vec::fmadd(y, f, Vec::set1(2.4022650695910071e-1f));
+  y = Vec::fmadd(y, f, Vec::set1(6.9314718055994531e-1f));
+  y = Vec::fmadd(y, f, Vec::set1(1.f));
+  return Vec::scale2(y, n);
+}
+#endif  // PDSERVE_SIMD
+
+}  // namespace pdserve_simd
