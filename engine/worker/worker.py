@@ -11,6 +11,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pdserve.engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+from pdserve.engine.malloc_tuning import tune_malloc
 from pdserve.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.engine.worker")
@@ -48,6 +49,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
+            tune_malloc()
         tp = self.config.parallel.tensor_parallel_size
         init_tensor_parallel(self.rank, tp, self.distributed_init_method or "", backend)
         # Every rank draws the same random numbers, so unseeded sampling agrees across ranks.
