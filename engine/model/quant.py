@@ -21,6 +21,10 @@ Kernels:
   SmolLM2's layer shapes) it runs at oneDNN float32's rate, 185-200 GFLOP/s, where widening the
   whole weight to float32 slabs for MKL (`int8_matmul_slabs`, kept for CPUs without AVX2) made a
   256-token prefill's matmuls 1.6x float32's. It overtakes the register kernel from about 24 rows.
+  On AVX2-only CPUs its 6x16 tile does not beat MKL: on a Zen 3 EPYC (2 threads, SmolLM2's layer
+  shapes, weights past the cache) it was 1.0-1.4x the slabs at 64-96 rows, level at 128-256 and
+  0.75-0.92x at 384-1024 rows (99-115 against 110-137 GFLOP/s). There the slabs take the chunks
+  past GEMM_MAX_ROWS_AVX2 rows.
 Rejected after measuring: ATen's `_weight_int8pack_mm` (a scalar loop without AVX-512: 10-50x
 slower than float32 here) and `torch._int_mm` (slower still), and fbgemm's dynamic-quantized
 linear (fast, but it rounds x to 7 bits with one scale per call: SmolLM2's outlier activations
@@ -36,6 +40,8 @@ import logging
 import torch
 from torch import nn
 
+from pdserve.engine import cpu_info
+
 log = logging.getLogger("pdserve.engine.quant")
 
 QMAX = 127  # symmetric: -128 is left out so that w and -w round alike
@@ -43,6 +49,7 @@ Q8_0_GROUP = 32  # weights per scale in GGUF's Q8_0 blocks
 METHODS = ("int8", "q8_0")
 SMALL_ROWS = 24  # at and below: the register kernel; above: the GEMM (measured crossover 24-32)
 SLAB_ROWS = 512  # weight rows widened at a time: 512 x 4096 float32 = 8 MiB at most
+GEMM_MAX_ROWS_AVX2 = 128  # past it, on CPUs without AVX-512, the slabs (see the docstring)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +100,11 @@ def gemm_available() -> bool:
     return cpu_kernels.available() and bool(torch.ops.pdserve_cpu.int8_gemm_vectorized())
 
 
+def gemm_max_rows(cpu_flags: frozenset[str]) -> int | None:
+    """The most rows of x the GEMM takes on a CPU with these flags (None: any number)."""
+    return None if "avx512f" in cpu_flags else GEMM_MAX_ROWS_AVX2
+
+
 def int8_matmul_slabs(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (float32, 2-D) times the dequantized weight ᵀ, widening q to float32 one slab of rows at a
     time: row scales are applied to the product, group scales to the slab."""
@@ -130,10 +142,15 @@ class Int8Linear:
         self.bias = None if bias is None else bias.detach().float().clone()
         self.use_kernel = kernel_available() if use_kernel is None else use_kernel
         self.use_gemm = self.use_kernel and gemm_available()
+        self.gemm_max_rows = gemm_max_rows(cpu_info.flags())
 
     def kernel_takes(self, rows: int) -> bool:
         """Whether `rows` rows of x go through our register kernel (else the GEMM, or float32 slabs)."""
         return self.use_kernel and rows <= SMALL_ROWS
+
+    def gemm_takes(self, rows: int) -> bool:
+        """Whether `rows` rows of x (past the register kernel's) go through our GEMM, else the slabs."""
+        return self.use_gemm and (self.gemm_max_rows is None or rows <= self.gemm_max_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x Wᵀ + b in x's dtype, computed in float32."""
@@ -141,7 +158,7 @@ class Int8Linear:
         x2 = x.reshape(-1, self.in_features).float()
         if self.kernel_takes(x2.shape[0]):
             y = torch.ops.pdserve_cpu.int8_linear(x2, self.qweight, self.scales)
-        elif self.use_gemm:
+        elif self.gemm_takes(x2.shape[0]):
             y = torch.ops.pdserve_cpu.int8_gemm(x2, self.qweight, self.scales)
         else:
             y = int8_matmul_slabs(x2, self.qweight, self.scales)

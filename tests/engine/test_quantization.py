@@ -137,6 +137,30 @@ def test_int8_layer_takes_the_gemm_past_the_register_kernels_rows(kernels_ready)
     assert torch.equal(layer(x), torch.ops.pdserve_cpu.int8_gemm(x, layer.qweight, layer.scales))
 
 
+def test_gemm_row_limit_holds_only_on_cpus_without_avx512():
+    assert quant.gemm_max_rows(frozenset({"avx2", "fma"})) == quant.GEMM_MAX_ROWS_AVX2
+    assert quant.gemm_max_rows(frozenset({"avx2", "fma", "avx512f", "avx512bw"})) is None
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_layer_past_the_gemm_row_limit_takes_the_slabs(kernels_ready, group):
+    if not quant.gemm_available():
+        pytest.skip("no vectorized int8 GEMM here")
+    gen = torch.Generator().manual_seed(10)
+    # 256 inputs: there the GEMM and MKL sum in different orders, so the two paths' results differ
+    layer = Int8Linear(torch.randn(40, 256, generator=gen), group=group)
+    layer.gemm_max_rows = quant.SMALL_ROWS + 8  # as on an AVX2 CPU, with a limit small enough to test quickly
+    at_limit = torch.randn(layer.gemm_max_rows, 256, generator=gen)
+    past = torch.randn(layer.gemm_max_rows + 1, 256, generator=gen)
+    assert layer.gemm_takes(at_limit.shape[0]) and not layer.gemm_takes(past.shape[0])
+    gemm, slabs = (torch.ops.pdserve_cpu.int8_gemm(past, layer.qweight, layer.scales),
+                   int8_matmul_slabs(past, layer.qweight, layer.scales))
+    assert not torch.equal(gemm, slabs)
+    assert torch.equal(layer(at_limit), torch.ops.pdserve_cpu.int8_gemm(at_limit, layer.qweight, layer.scales))
+    assert torch.equal(layer(past), slabs)
+    torch.testing.assert_close(layer(past), past @ layer.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_kernel_refuses_groups_that_do_not_split_a_row(kernels_ready):
     x, q = torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.int8)
     for groups in (5, 24):  # 96 / 5 is no whole number; 96 / 24 = 4 is no multiple of 8
