@@ -7,6 +7,9 @@ and bfloat16: microseconds per call of the reference expression (fused.*_referen
 kernel the engine picks on this machine, and their ratio. Then the whole effect: decode steps of
 the benchmark model through `LLM.generate` at batch 1 and 16, model forward time per step with
 the reference ops and with the fused ones (fused.use_reference toggles them in one process).
+Then the float32 matmuls of one decode step of the benchmark model (its 12 layers and the
+lm_head, weights read from memory as in a real step) three ways: weights in panels (our kernel,
+csrc/cpu_panel_linear.cpp), oneDNN's packed layout, and F.linear (MKL), at 1 to 1024 rows.
 Last, whether torch.compile would pay: the MLP half of a layer as the engine runs it against
 inductor's compile of the reference expression (static shapes, frozen weights) at 1/16/64 rows,
 with the one-time compile cost.
@@ -142,6 +145,54 @@ def run_compile(dtype: torch.dtype, token_counts: list[int], rounds: int, min_s:
     return rows
 
 
+def run_matmuls(row_counts: list[int], rounds: int) -> list[dict]:
+    """ms per decode step's float32 matmuls, per layout, alternated round by round (best of each)."""
+    import torch.nn.functional as F
+
+    from pdserve.engine.model import layers
+
+    hidden, heads, kv_heads, head_dim, inter = SHAPES["bench-100m"]
+    per_layer = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+                 (hidden, inter)]
+    shapes = per_layer * 12 + [(32000, hidden)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_f, in_f, generator=gen) * 0.02 for out_f, in_f in shapes]
+    ways = {"F.linear": lambda x, w, i: F.linear(x, w)}
+    if layers.panels_supported():
+        panels = [layers.to_panels(w) for w in weights]
+        ways["panels"] = lambda x, w, i: torch.ops.pdserve_cpu.panel_linear(x, panels[i], w.shape[0])
+    if layers.packing_supported(torch.float32):
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+        ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+    rows = []
+    for count in row_counts:
+        xs = {in_f: torch.randn(count, in_f, generator=gen) for _, in_f in shapes}
+        # oneDNN's packed matmul is measured only where the engine uses it (layers.PACKED_ROWS):
+        # far past it, at 1024 rows, it has crashed in this torch.
+        high = layers.PACKED_ROWS[torch.float32][1]
+        timed = {name: fn for name, fn in ways.items() if name != "onednn" or count <= high}
+
+        def step(fn) -> None:
+            for i, w in enumerate(weights):
+                fn(xs[w.shape[1]], w, i)
+
+        best = {name: float("inf") for name in timed}
+        for _ in range(rounds + 1):  # the first round warms every way up (oneDNN builds primitives)
+            for name, fn in timed.items():
+                began = time.perf_counter()
+                step(fn)
+                best[name] = min(best[name], time.perf_counter() - began)
+        flops = 2 * count * sum(o * i for o, i in shapes)
+        row = {"rows": count, **{f"{name}_ms": t * 1e3 for name, t in best.items()},
+               **{f"{name}_gflops": flops / t / 1e9 for name, t in best.items()}}
+        if "panels" in best:
+            row["panels_vs_flinear"] = best["F.linear"] / best["panels"]
+            if "onednn" in best:
+                row["panels_vs_onednn"] = best["onednn"] / best["panels"]
+        rows.append(row)
+    return rows
+
+
 def run_ops(dtypes: list[torch.dtype], token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
     rows = []
     for shape_name, shape in SHAPES.items():
@@ -192,6 +243,12 @@ def run_steps(dtype: str, batches: list[int], rounds: int, output_len: int) -> l
     return rows
 
 
+def _float_packing() -> str:
+    from pdserve.engine.model import layers
+
+    return layers.float_packing()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and rounds, for a smoke run")
@@ -200,6 +257,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-ops", action="store_true", help="skip the per-op rows")
     parser.add_argument("--step-dtype", default="float32", help="dtype of the decode step rows")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--no-matmuls", action="store_true", help="skip the float32 matmul layout rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -208,9 +266,18 @@ def main(argv: list[str]) -> None:
     rows = [] if args.no_ops else run_ops(dtypes, token_counts, rounds, min_s=0.005 if args.quick else 0.02)
     if not args.no_steps:
         rows += run_steps(args.step_dtype, [1, 16], rounds=2 if args.quick else 4, output_len=16 if args.quick else 48)
-    write_report("kernels", rows, title="fused layer ops: eager vs fused (us per call; speedup = eager / fused)",
-                 meta={"kernels_loaded": fused.cpu_kernels_ready(), "threads": torch.get_num_threads(),
-                       "rounds": rounds, "quick": args.quick})
+    if rows:
+        write_report("kernels", rows, title="fused layer ops: eager vs fused (us per call; speedup = eager / fused)",
+                     meta={"kernels_loaded": fused.cpu_kernels_ready(), "threads": torch.get_num_threads(),
+                           "rounds": rounds, "quick": args.quick})
+    if not args.no_matmuls:
+        matmul_rows = run_matmuls([1, 16, 256] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 512, 1024],
+                                  rounds=2 if args.quick else 4)
+        write_report("kernels_matmul", matmul_rows,
+                     title="a decode step's float32 matmuls (bench model): weights in panels vs oneDNN's packing "
+                           "vs F.linear (ms per step, best of alternated rounds; ratio > 1: panels faster)",
+                     meta={"threads": torch.get_num_threads(), "float_packing_here": _float_packing(),
+                           "quick": args.quick})
     if not args.no_compile:
         compile_rows = run_compile(torch.float32, [1, 16, 64], rounds, min_s=0.005 if args.quick else 0.02)
         write_report("kernels_compile", compile_rows,

@@ -38,7 +38,7 @@ ROUNDS = 5
 # A big model's matmuls are timed on a band of their rows: its whole layer would cost seconds and
 # gigabytes at start-up, and the ratio asked for does not change with the band's height.
 MAX_WEIGHT_ELEMENTS = 4 << 20
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@ reads only its own rows or columns from disk.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import cpu_info
 from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from pdserve.engine.model import fused
@@ -53,9 +55,57 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return True
 
 
+# Float32 weights go in panels (to_panels, multiplied by csrc/cpu_panel_linear.cpp) instead of
+# oneDNN's packed layout on CPUs without AVX-512. Measured on a Zen 3 EPYC with a decode step's
+# weights coming from memory (benchmarks/bench_kernels.py's matmul rows): panels 1.1-1.5x oneDNN's
+# throughput from 1 to 64 rows and level at 128; 1.3-4.5x F.linear's up to 128 rows, level with it
+# at 512, 0.96x at 1024 and 0.95x at 2048: past PANEL_MAX_ROWS F.linear takes over. AVX-512 CPUs
+# keep oneDNN, which was measured there (0.64 of the roofline at 16 rows on a Zen 4) while panels
+# were not. PDSERVE_FLOAT_PACKING=panels or =onednn overrides the rule, to measure or to compare.
+FLOAT_PACKINGS = ("panels", "onednn")
+PANEL_MAX_ROWS = 512
+
+
+@functools.cache
+def float_packing() -> str:
+    """How float32 weights are prepacked on this machine: "panels" or "onednn"."""
+    chosen = os.environ.get("PDSERVE_FLOAT_PACKING", "")
+    if chosen and chosen not in FLOAT_PACKINGS:
+        raise ValueError(f"PDSERVE_FLOAT_PACKING={chosen!r}: expected one of {', '.join(FLOAT_PACKINGS)}")
+    if chosen == "onednn" or not panels_supported():
+        return "onednn"
+    return "panels" if chosen == "panels" or "avx512f" not in cpu_info.flags() else "onednn"
+
+
+@functools.cache
+def panels_supported() -> bool:
+    """Whether our panel kernel is built here, with vector code (else it would be a slow scalar loop)."""
+    return fused.cpu_kernels_ready() and bool(torch.ops.pdserve_cpu.panel_linear_vectorized())
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as [ceil(out / 16), in, 16]: each group of 16 output rows k-major, so
+    one 64-byte line holds the group's 16 weights at one k; rows past `out` are zero."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // 16)
+    padded = weight.new_zeros(count * 16, in_features)
+    padded[:out_features] = weight
+    return padded.view(count, 16, in_features).transpose(1, 2).contiguous()
+
+
+def is_panels(packed: torch.Tensor) -> bool:
+    """A prepacked weight in panels (a plain tensor), not oneDNN's (an opaque mkldnn one)."""
+    return not packed.is_mkldnn
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout (CPU only), or None where that is not available."""
-    if weight.device.type != "cpu" or not packing_supported(weight.dtype):
+    """The weight in the CPU's fastest prepacked layout (panels or oneDNN's blocked one), or None
+    where neither is available."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and float_packing() == "panels":
+        return to_panels(weight.detach())
+    if not packing_supported(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
@@ -91,11 +141,15 @@ def linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str | None, rows: int) -> str:
     """Which path `linear` takes for a float weight and `rows` rows of input: for a single row, the
-    one linear_tuning measured fastest for this weight (`one_row`: "packed", or our kernel on all
-    threads or on one: "kernel", "kernel_serial": float32 on AVX2, bfloat16 on AVX512-BF16); "packed" (oneDNN) for PACKED_ROWS rows;
-    "widened" bf16; else "torch" (F.linear). The one-call decode step (decode_call) follows it too."""
+    one linear_tuning measured fastest for this weight (`one_row`: "packed", the weight's prepacked
+    layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
+    bfloat16 on AVX512-BF16); "panels" for a weight in panels at 2 to PANEL_MAX_ROWS rows; "packed" (oneDNN) for
+    PACKED_ROWS rows; "widened" bf16; else "torch" (F.linear). The one-call decode step
+    (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
+    if packed is not None and is_panels(packed):
+        return "panels" if (rows > 1 or one_row == "packed") and rows <= PANEL_MAX_ROWS else "torch"
     if packed is not None:
         low, high = PACKED_ROWS[weight.dtype]
         return "packed" if (rows == 1 and one_row == "packed") or low <= rows <= high else "torch"
@@ -115,6 +169,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     path = linear_path(weight, packed, one_row if x.dim() == 2 else None, x.numel() // x.shape[-1])
     if path in ("kernel", "kernel_serial"):
         y = torch.ops.pdserve_cpu.float_linear(x, weight, path == "kernel_serial")
+        return y if bias is None else y + bias
+    if path == "panels":
+        y = torch.ops.pdserve_cpu.panel_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0])
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if path == "packed":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -75,7 +75,8 @@ def bf16_kernel_available() -> bool:
 
 def candidates(modules: list[nn.Module], x: torch.Tensor) -> list[str]:
     """The `one_row` paths of layers.linear that can compute one row through all these modules'
-    weights (F.linear, the default, always can)."""
+    weights (F.linear, the default, always can). "packed" is the weight's prepacked layout,
+    panels or oneDNN's (layers.float_packing)."""
     paths = []
     if all(m.packed_weight is not None for m in modules):
         paths.append("packed")

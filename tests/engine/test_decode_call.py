@@ -89,6 +89,27 @@ def test_one_call_equals_the_modules_for_every_single_row_path(model_dir, monkey
     assert twice.mismatches == []
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("packing", ["panels", "onednn"])
+def test_one_call_equals_the_modules_for_each_float_packing(model_dir, monkeypatch, float_packing, name, packing):
+    """Weights in panels (layers.float_packing's pick on AVX2 CPUs) or in oneDNN's layout (on
+    AVX-512 ones), whichever this CPU would pick: the loop runs each as the modules do, for one
+    row (the packing as one_row's path) and several, qwen2's q/k/v biases included."""
+    float_packing(packing)
+    llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=128)
+    try:
+        model = set_paths(llm, "packed")
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert decode_call.linear_path(qkv, 1) == ("panels" if packing == "panels" else "packed")
+        twice = Twice(monkeypatch)
+        llm.generate(prompts(1, seed=1), GREEDY)
+        llm.generate(prompts(5, seed=2), GREEDY)
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps >= 20 and twice.module_steps >= 2
+    assert twice.mismatches == []
+
+
 @pytest.mark.parametrize("path", ["tuned", "kernel"])
 def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch, path):
     if path == "kernel" and not linear_tuning.bf16_kernel_available():
@@ -152,17 +173,19 @@ def test_pdserve_decode_call_0_turns_the_loop_off(model_dir, monkeypatch):
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
 
 
-def test_linear_path_mirrors_the_rule_of_layers_linear(model_dir):
+@pytest.mark.parametrize("packing", ["panels", "onednn"])
+def test_linear_path_mirrors_the_rule_of_layers_linear(model_dir, float_packing, packing):
+    float_packing(packing)
     llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=64)
     try:
         model = set_paths(llm, "kernel_serial")
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert decode_call.linear_path(qkv, 1) == "kernel_serial"
-        expected_many = "packed" if qkv.packed_weight is not None else "torch"
-        assert decode_call.linear_path(qkv, 16) == expected_many
-        qkv.one_row = "packed" if qkv.packed_weight is not None else None
-        assert decode_call.linear_path(qkv, 1) == ("packed" if qkv.packed_weight is not None else "torch")
-        assert decode_call.linear_path(qkv, 4096) == "torch"  # a big batch: F.linear beats oneDNN's packing
+        packed = "panels" if packing == "panels" else "packed"
+        assert decode_call.linear_path(qkv, 16) == packed
+        qkv.one_row = "packed"
+        assert decode_call.linear_path(qkv, 1) == packed
+        assert decode_call.linear_path(qkv, 4096) == "torch"  # a big batch: F.linear beats both packings
     finally:
         llm.shutdown()
 

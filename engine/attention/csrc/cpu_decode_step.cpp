@@ -18,10 +18,11 @@
 namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
-enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4 };
+enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using PanelLinear = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 using RmsNorm = void(const at::Tensor&, const at::Tensor&, double, at::Tensor&);
 using AddRmsNorm = void(at::Tensor&, at::Tensor&, const at::Tensor&, double);
 using SiluMul = void(const at::Tensor&, at::Tensor&);
@@ -39,6 +40,7 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 struct Ops {
   c10::TypedOperatorHandle<FloatLinear> float_linear = typed_op<FloatLinear>("pdserve_cpu::float_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
+  c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
   c10::TypedOperatorHandle<SiluMul> silu_mul = typed_op<SiluMul>("pdserve_cpu::silu_and_mul");
@@ -55,7 +57,8 @@ const Ops& ops() {
 }
 
 // x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 path `weight`
-// holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales).
+// holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales); on the
+// panels path `packed` holds the weight in panels (layers.to_panels).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
@@ -68,6 +71,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     case kKernelSerial: {
       at::Tensor y = ops().float_linear.call(x, weight, path == kKernelSerial);
       return bias.has_value() ? y + *bias : y;
+    }
+    case kPanels: {
+      TORCH_CHECK(packed.has_value(), "decode_layers: a panels path without the weight in panels");
+      at::Tensor y = ops().panel_linear.call(x, *packed, weight.size(0));
+      return bias.has_value() ? y.add_(*bias) : y;
     }
     case kPacked: {
       TORCH_CHECK(packed.has_value(), "decode_layers: a packed path without a packed weight");

@@ -1,0 +1,125 @@
+// The register tile our CPU GEMMs share (int8 weights: cpu_int8_gemm.cpp; float32 weights in
+// panels: cpu_panel_linear.cpp): MR rows of x times one panel of 16 output columns, the panel
+// stored k-major (its 16 weights at reduction step k at panel[k * 16 .. k * 16 + 15]). Each x
+// value is broadcast and FMA'd into the 16 outputs at once; each output is one FMA chain over k,
+// in order, so a row's result never depends on the other rows of the batch.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PDSERVE_GEMM_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_GEMM_ISA 256
+#else
+#define PDSERVE_GEMM_ISA 0
+#endif
+
+namespace pdserve_gemm {
+
+constexpr int64_t kPanel = 16;  // output columns per panel: one AVX-512 vector, two AVX2 ones
+
+// The tile adds x[0..MR) · panel over k in [0, kc) into out (or starts from zero when `first`),
+// for the first `cols` of the panel's 16 columns, then scales column j by row_scale[j] if given.
+// Where `prefetch` is set, the line at prefetch + k * 16 is fetched at step k: the next panel,
+// so that its weights stream in from memory while this one is multiplied.
+//
+// The loops over the tile's rows carry `#pragma GCC unroll`: without it GCC 12 kept the
+// accumulators in registers but also stored them to the stack on every k step, and the tile ran
+// at a third of the FMA peak.
+#if PDSERVE_GEMM_ISA == 512
+constexpr int kRowsMax = 12;  // 12 accumulators + the panel vector + broadcasts: within 32 registers
+
+template <int MR>
+inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const float* prefetch) {
+  const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, out + i * ldo);
+  for (int64_t k = 0; k < kc; ++k) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    const __m512 wv = _mm512_loadu_ps(panel + k * kPanel);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, acc[i]);
+  }
+  if (row_scale != nullptr) {
+    const __m512 s = _mm512_maskz_loadu_ps(m, row_scale);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_mul_ps(acc[i], s);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + i * ldo, m, acc[i]);
+}
+#elif PDSERVE_GEMM_ISA == 256
+constexpr int kRowsMax = 6;  // 6 x 2 accumulators + 2 panel vectors + a broadcast: 15 of 16 registers
+
+inline __m256i lanes_below(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int MR>
+inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const float* prefetch) {
+  const __m256i m0 = lanes_below(cols), m1 = lanes_below(cols - 8);
+  __m256 acc[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    acc[i][0] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(out + i * ldo, m0);
+    acc[i][1] = first ? _mm256_setzero_ps() : _mm256_maskload_ps(out + i * ldo + 8, m1);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  if (row_scale != nullptr) {
+    const __m256 s0 = _mm256_maskload_ps(row_scale, m0), s1 = _mm256_maskload_ps(row_scale + 8, m1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      acc[i][0] = _mm256_mul_ps(acc[i][0], s0);
+      acc[i][1] = _mm256_mul_ps(acc[i][1], s1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    _mm256_maskstore_ps(out + i * ldo, m0, acc[i][0]);
+    _mm256_maskstore_ps(out + i * ldo + 8, m1, acc[i][1]);
+  }
+}
+#else
+constexpr int kRowsMax = 4;
+
+template <int MR>
+inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const float* /*prefetch*/) {
+  for (int i = 0; i < MR; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      float acc = first ? 0.f : out[i * ldo + j];
+      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[i * ldx + k], panel[k * kPanel + j], acc);
+      out[i * ldo + j] = row_scale != nullptr ? acc * row_scale[j] : acc;
+    }
+}
+#endif
+
+// `micro<MR>` for MR chosen at run time (the last rows of a block).
+template <int MR = kRowsMax>
+inline void micro_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
+                       int64_t cols, bool first, const float* row_scale, const float* prefetch = nullptr) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return micro<MR>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
+    micro_rows<MR - 1>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
+  }
+}
+
+}  // namespace pdserve_gemm
