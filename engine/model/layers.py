@@ -80,7 +80,7 @@ def float_packing() -> str:
 @functools.cache
 def panels_supported() -> bool:
     """Whether our panel kernel is built here, with vector code (else it would be a slow scalar loop)."""
-    return fused.cpu_kernels_ready() and bool(torch.ops.pdserve_cpu.panel_linear_vectorized())
+    return fused.cpu_kernels_ready() and bool(torch.ops.pdserve_cpu.gemm_tile_isa())
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def gemm_available() -> bool:
     """Whether our vectorized int8 GEMM (many rows of x) is built and loaded here."""
     from pdserve.engine.attention import cpu_kernels
 
-    return cpu_kernels.available() and bool(torch.ops.pdserve_cpu.int8_gemm_vectorized())
+    return cpu_kernels.available() and bool(torch.ops.pdserve_cpu.gemm_tile_isa())
 
 
 def gemm_max_rows(cpu_flags: frozenset[str]) -> int | None:

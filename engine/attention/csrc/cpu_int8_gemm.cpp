@@ -174,15 +174,17 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return out;
 }
 
-bool int8_gemm_vectorized() { return PDSERVE_GEMM_ISA != 0; }
+// The register tile's vector width in bits (cpu_gemm_tile.h): 512, 256, or 0 for the scalar loop. Both
+// GEMMs (int8 here, float32 in panels) run on it.
+int64_t gemm_tile_isa() { return PDSERVE_GEMM_ISA; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-  m.def("int8_gemm_vectorized() -> bool");
+  m.def("gemm_tile_isa() -> int");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("int8_gemm", &int8_gemm); }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("int8_gemm_vectorized", &int8_gemm_vectorized); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("gemm_tile_isa", &gemm_tile_isa); }

@@ -63,15 +63,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   return out;
 }
 
-bool panel_linear_vectorized() { return PDSERVE_GEMM_ISA != 0; }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");
-  m.def("panel_linear_vectorized() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }
-
-TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("panel_linear_vectorized", &panel_linear_vectorized); }
