@@ -49,6 +49,13 @@ CASES = [
     ([1, 1, 7, 20], [63, 1, 0, 9], 4, 4, 64, 8),
     ([1, 1, 1, 5], [100, 3, 31, 12], 6, 3, 16, 32),
     ([1] * 9, [0, 1, 2, 15, 16, 17, 33, 64, 129], 12, 4, 64, 16),
+    # Every query-head group the vector loop is compiled for (1-8; 5-8 here) and a group past it
+    # (9: the portable loop), with head sizes whose value slices differ (96: 12 AVX2 vectors).
+    ([1, 1, 1], [19, 33, 70], 10, 2, 16, 16),
+    ([1, 1], [40, 17], 12, 2, 256, 16),
+    ([1, 1, 1], [3, 48, 65], 14, 2, 96, 16),
+    ([1, 1], [31, 90], 16, 2, 64, 16),
+    ([1, 1], [25, 64], 18, 2, 64, 16),
     # Twelve query heads per KV head and a head size of 40: the kernel's portable loop, not SIMD.
     ([1, 1, 1], [20, 7, 50], 12, 1, 40, 16),
     # Prefills longer than the prefill kernel's blocks of queries and keys, with and without

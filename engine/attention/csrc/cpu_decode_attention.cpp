@@ -37,17 +37,36 @@ inline void prefetch_block(const scalar_t* block, int64_t rows, int64_t c_slot) 
       _mm_prefetch(reinterpret_cast<const char*>(block + s * c_slot) + 64 * l, _MM_HINT_T1);
 }
 
-// One (request, KV head): its `group` query heads against `len` cached positions. The head size
-// D is fixed at compile time, so a row is V whole vectors held in registers.
-template <typename scalar_t, int D>
+// Vector registers the loops below may fill with accumulators and operands.
+constexpr int kRegisters = Vec::L == 16 ? 32 : 16;
+
+// The weighted sum of values runs over a slice of VC vectors of the head at a time, so that G x VC
+// accumulators stay in registers (with AVX2, 3 query heads x 8 vectors of a 64-wide head would
+// spill, and every FMA would then load and store its accumulator). The widest slice that fits.
+template <int V, int G>
+constexpr int value_slice() {
+  int vc = V;
+  while (vc > 1 && (G * vc > kRegisters * 3 / 4 || V % vc != 0)) vc /= 2;
+  return vc;
+}
+
+// One (request, KV head): its G query heads against `len` cached positions. The head size D and
+// the group size G are fixed at compile time, so the loops over them unroll and their
+// accumulators live in registers (with G a run-time count, every accumulator went through
+// memory: the kernel ran 1.45x slower on a cache in L2, on a Zen 3).
+template <typename scalar_t, int D, int G>
 void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
-                  int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot, float scale, int64_t group,
-                  float* scores, float* acc, scalar_t* o, int64_t o_head) {
+                  int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot, float scale, float* scores,
+                  float* acc, scalar_t* o, int64_t o_head) {
   constexpr int V = D / Vec::L;
   static_assert(V * Vec::L == D, "head size must be whole vectors");
-  Vec::T qv[8][V];  // group <= 8 takes this path (the caller checks)
-  for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < V; ++v) qv[g][v] = Vec::mul(Vec::load(q + g * q_head + Vec::L * v), Vec::set1(scale));
+  // Two FMA chains per query head where their accumulators and the key row fit in registers:
+  // one chain of V dependent FMAs would wait on the FMA latency at each step.
+  constexpr int kChains = 2 * G + V + 1 <= kRegisters && V % 2 == 0 ? 2 : 1;
+  alignas(64) float qs[G][D];  // scaled queries, read as FMA operands from L1
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < V; ++v)
+      Vec::store(qs[g] + Vec::L * v, Vec::mul(Vec::load(q + g * q_head + Vec::L * v), Vec::set1(scale)));
 
   // Scores, block by block: no division per position.
   int64_t p = 0;
@@ -57,17 +76,28 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     if (p + rows < len) prefetch_block<scalar_t, D>(kc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
     for (int64_t s = 0; s < rows; ++s, ++p) {
       Vec::T k[V];
+#pragma GCC unroll 64
       for (int v = 0; v < V; ++v) k[v] = Vec::load(kb + s * c_slot + Vec::L * v);
-      for (int64_t g = 0; g < group; ++g) {
-        Vec::T sum = Vec::mul(qv[g][0], k[0]);
-        for (int v = 1; v < V; ++v) sum = Vec::fmadd(qv[g][v], k[v], sum);
-        scores[g * len + p] = Vec::reduce_add(sum);
-      }
+      Vec::T sum[G][kChains];
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+        for (int c = 0; c < kChains; ++c) sum[g][c] = Vec::mul(Vec::load(qs[g] + Vec::L * c), k[c]);
+#pragma GCC unroll 64
+      for (int v = kChains; v < V; v += kChains)
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+          for (int c = 0; c < kChains; ++c)
+            sum[g][c] = Vec::fmadd(Vec::load(qs[g] + Vec::L * (v + c)), k[v + c], sum[g][c]);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g)
+        scores[g * len + p] = Vec::reduce_add(kChains == 2 ? Vec::add(sum[g][0], sum[g][kChains - 1]) : sum[g][0]);
     }
   }
 
   // Softmax of each query head's row, a vector of scores at a time; the ragged tail in scalars.
-  for (int64_t g = 0; g < group; ++g) {
+  for (int g = 0; g < G; ++g) {
     float* s = scores + g * len;
     Vec::T mx = Vec::set1(-std::numeric_limits<float>::infinity());
     int64_t i = 0;
@@ -90,28 +120,58 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     for (i = 0; i < len; ++i) s[i] *= inv;
   }
 
-  // Weighted sum of values, accumulators in registers.
-  prefetch_block<scalar_t, D>(vc + table[0] * c_block, std::min(block_size, len), c_slot);
-  Vec::T out[8][V];
-  for (int64_t g = 0; g < group; ++g)
-    for (int v = 0; v < V; ++v) out[g][v] = Vec::zero();
-  p = 0;
-  for (int64_t b = 0; p < len; ++b) {
-    const int64_t rows = std::min(block_size, len - p);
-    const scalar_t* vb = vc + table[b] * c_block;
-    if (p + rows < len) prefetch_block<scalar_t, D>(vc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
-    for (int64_t s = 0; s < rows; ++s, ++p) {
-      Vec::T val[V];
-      for (int v = 0; v < V; ++v) val[v] = Vec::load(vb + s * c_slot + Vec::L * v);
-      for (int64_t g = 0; g < group; ++g) {
-        const Vec::T w = Vec::set1(scores[g * len + p]);
-        for (int v = 0; v < V; ++v) out[g][v] = Vec::fmadd(w, val[v], out[g][v]);
+  // Weighted sum of values, a slice of the head at a time with its accumulators in registers. The
+  // first slice's pass fetches the blocks ahead; the later ones find them in L2.
+  constexpr int VC = value_slice<V, G>();
+  for (int v0 = 0; v0 < V; v0 += VC) {
+    if (v0 == 0) prefetch_block<scalar_t, D>(vc + table[0] * c_block, std::min(block_size, len), c_slot);
+    Vec::T out[G][VC];
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 64
+      for (int v = 0; v < VC; ++v) out[g][v] = Vec::zero();
+    p = 0;
+    for (int64_t b = 0; p < len; ++b) {
+      const int64_t rows = std::min(block_size, len - p);
+      const scalar_t* vb = vc + table[b] * c_block + Vec::L * v0;
+      if (v0 == 0 && p + rows < len)
+        prefetch_block<scalar_t, D>(vc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
+      for (int64_t s = 0; s < rows; ++s, ++p) {
+        Vec::T val[VC];
+#pragma GCC unroll 64
+        for (int v = 0; v < VC; ++v) val[v] = Vec::load(vb + s * c_slot + Vec::L * v);
+#pragma GCC unroll 8
+        for (int g = 0; g < G; ++g) {
+          const Vec::T w = Vec::set1(scores[g * len + p]);
+#pragma GCC unroll 64
+          for (int v = 0; v < VC; ++v) out[g][v] = Vec::fmadd(w, val[v], out[g][v]);
+        }
       }
     }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 64
+      for (int v = 0; v < VC; ++v) Vec::store(acc + g * D + Vec::L * (v0 + v), out[g][v]);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    for (int v = 0; v < V; ++v) Vec::store(acc + Vec::L * v, out[g][v]);
-    store_row(acc, o + g * o_head, D);
+  for (int g = 0; g < G; ++g) store_row(acc + g * D, o + g * o_head, D);
+}
+
+// attend_group for the run-time group size; false for groups past 8 (the portable loop takes them).
+template <typename scalar_t, int D>
+bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
+                     const int32_t* table, int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot,
+                     float scale, float* scores, float* acc, scalar_t* o, int64_t o_head) {
+  switch (group) {
+#define PDSERVE_GROUP(G)                                                                                        \
+  case G:                                                                                                       \
+    attend_group<scalar_t, D, G>(q, q_head, kc, vc, table, len, block_size, c_block, c_slot, scale, scores, acc, \
+                                 o, o_head);                                                                    \
+    return true;
+    PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5) PDSERVE_GROUP(6)
+    PDSERVE_GROUP(7) PDSERVE_GROUP(8)
+#undef PDSERVE_GROUP
+    default:
+      return false;
   }
 }
 #endif  // PDSERVE_SIMD
@@ -154,11 +214,12 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
         const scalar_t* k_head = kc + h * c_head;
         const scalar_t* v_head = vc + h * c_head;
         switch (head_dim) {
-#define PDSERVE_ATTEND(D)                                                                                           \
-  case D:                                                                                                           \
-    attend_group<scalar_t, D>(q_rows, q_head, k_head, v_head, table, len, block_size, c_block, c_slot, fscale, group, \
-                              scores.data(), acc.data(), o_rows, o_head);                                          \
-    continue;
+#define PDSERVE_ATTEND(D)                                                                                      \
+  case D:                                                                                                      \
+    if (attend_group_of<scalar_t, D>(group, q_rows, q_head, k_head, v_head, table, len, block_size, c_block,   \
+                                     c_slot, fscale, scores.data(), acc.data(), o_rows, o_head))               \
+      continue;                                                                                                \
+    break;
           PDSERVE_ATTEND(16) PDSERVE_ATTEND(32) PDSERVE_ATTEND(64) PDSERVE_ATTEND(96) PDSERVE_ATTEND(128) PDSERVE_ATTEND(256)
 #undef PDSERVE_ATTEND
           default:
