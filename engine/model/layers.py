@@ -143,9 +143,9 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     """Which path `linear` takes for a float weight and `rows` rows of input: for a single row, the
     one linear_tuning measured fastest for this weight (`one_row`: "packed", the weight's prepacked
     layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
-    bfloat16 on AVX512-BF16); "panels" for a weight in panels at 2 to PANEL_MAX_ROWS rows; "packed" (oneDNN) for
-    PACKED_ROWS rows; "widened" bf16; else "torch" (F.linear). The one-call decode step
-    (decode_call) follows it too."""
+    bfloat16 on AVX512-BF16); "panels" for a weight in panels at 2 to PANEL_MAX_ROWS rows;
+    "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16; else "torch" (F.linear). The one-call
+    decode step (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
     if packed is not None and is_panels(packed):

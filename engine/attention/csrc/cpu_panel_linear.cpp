@@ -6,8 +6,8 @@
 // Why our own: on an AVX2 EPYC (Zen 3), with a decode step's weights coming from memory, oneDNN's
 // packed float32 matmul ran 66-80 GFLOP/s at 16 rows, where it does 107 on weights in cache: it
 // reads the weights, then computes, without overlapping the two. This tile, with the next panel
-// prefetched, ran 1.3-1.4x faster at 8-32 rows and as fast or faster from 1 to 512 rows
-// (benchmarks/bench_kernels.py's panel rows measure it).
+// prefetched, ran a decode step's matmuls 1.13x faster at one row, 1.3-1.5x at 2-16 rows, 1.08-1.15x
+// at 32-64 and level at 128 (benchmarks/bench_kernels.py's `kernels_matmul` table measures it).
 //
 // Summation order: each output is one FMA chain over k from 0 to K-1, so a row's result does not
 // depend on the other rows of the batch nor on the number of threads.
