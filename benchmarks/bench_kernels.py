@@ -9,7 +9,9 @@ the benchmark model through `LLM.generate` at batch 1 and 16, model forward time
 the reference ops and with the fused ones (fused.use_reference toggles them in one process).
 Then the float32 matmuls of one decode step of the benchmark model (its 12 layers and the
 lm_head, weights read from memory as in a real step) three ways: weights in panels (our kernel,
-csrc/cpu_panel_linear.cpp), oneDNN's packed layout, and F.linear (MKL), at 1 to 1024 rows.
+csrc/cpu_panel_linear.cpp), oneDNN's packed layout, and F.linear (MKL), at 1 to 1024 rows; and
+whole decode steps (batch 1, 16, 64) of that model loaded twice in one process, once with each
+float32 packing (layers.float_packing), the step kinds alternated between the two.
 Last, whether torch.compile would pay: the MLP half of a layer as the engine runs it against
 inductor's compile of the reference expression (static shapes, frozen weights) at 1/16/64 rows,
 with the one-time compile cost.
@@ -193,6 +195,48 @@ def run_matmuls(row_counts: list[int], rounds: int) -> list[dict]:
     return rows
 
 
+def run_packing_steps(rounds: int) -> list[dict]:
+    """ms per decode step (bench_offline's step kinds) with weights in panels and in oneDNN's
+    layout: two engines on the same checkpoint in this process, alternated, the best of each."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_offline import PROFILE_KV_BLOCKS, model_dir
+
+    from pdserve.bench import step_profile
+    from pdserve.engine import LLM
+    from pdserve.engine.model import layers
+
+    if not (layers.panels_supported() and layers.packing_supported(torch.float32)):
+        return []
+    kinds = [k for k in step_profile.DEFAULT_KINDS if k.name.startswith("decode")]
+    before = os.environ.get("PDSERVE_FLOAT_PACKING")
+    engines = {}
+    try:
+        for packing in layers.FLOAT_PACKINGS:
+            os.environ["PDSERVE_FLOAT_PACKING"] = packing  # read when the weights are packed, at load
+            layers.float_packing.cache_clear()
+            engines[packing] = LLM(model_dir(), dtype="float32", max_num_seqs=256, enable_prefix_caching=False,
+                                   num_kv_blocks=PROFILE_KV_BLOCKS)
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(rounds):
+            for packing, llm in engines.items():
+                runner = llm.engine.client.engine_core.executor.worker.runner
+                for kind in kinds:
+                    got = step_profile.profile_step_kind(runner, kind, PROFILE_KV_BLOCKS, repeats=5, profiled=1)
+                    best[(kind.name, packing)] = min(best.get((kind.name, packing), float("inf")), got.ms_per_step)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+        if before is None:
+            os.environ.pop("PDSERVE_FLOAT_PACKING", None)
+        else:
+            os.environ["PDSERVE_FLOAT_PACKING"] = before
+        layers.float_packing.cache_clear()
+    return [{"step": kind.name, "panels_ms": best[(kind.name, "panels")], "onednn_ms": best[(kind.name, "onednn")],
+             "panels_speedup": best[(kind.name, "onednn")] / best[(kind.name, "panels")]} for kind in kinds]
+
+
 def run_ops(dtypes: list[torch.dtype], token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
     rows = []
     for shape_name, shape in SHAPES.items():
@@ -258,6 +302,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--step-dtype", default="float32", help="dtype of the decode step rows")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--no-matmuls", action="store_true", help="skip the float32 matmul layout rows")
+    parser.add_argument("--no-packing-steps", action="store_true",
+                        help="skip the decode steps with panels against oneDNN's packing")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -278,6 +324,13 @@ def main(argv: list[str]) -> None:
                            "vs F.linear (ms per step, best of alternated rounds; ratio > 1: panels faster)",
                      meta={"threads": torch.get_num_threads(), "float_packing_here": _float_packing(),
                            "quick": args.quick})
+    if not args.no_packing_steps:
+        step_rows = run_packing_steps(rounds=2 if args.quick else 4)
+        if step_rows:
+            write_report("kernels_packing_steps", step_rows,
+                         title="decode steps of the bench model, float32 weights in panels vs oneDNN's packing "
+                               "(ms per step, both engines in this process, alternated; speedup > 1: panels faster)",
+                         meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_compile:
         compile_rows = run_compile(torch.float32, [1, 16, 64], rounds, min_s=0.005 if args.quick else 0.02)
         write_report("kernels_compile", compile_rows,
