@@ -19,8 +19,9 @@ Kernels:
 - more rows (prefill): our GEMM (csrc/cpu_int8_gemm.cpp), which widens 16 weight rows at a time
   into a float32 panel that every row of x then streams past. On a Zen 4 EPYC (2 threads,
   SmolLM2's layer shapes) it runs at oneDNN float32's rate, 185-200 GFLOP/s, where widening the
-  whole weight to float32 slabs for MKL (`int8_matmul_slabs`, kept for CPUs without AVX2 and, below, big chunks on AVX2) made a
-  256-token prefill's matmuls 1.6x float32's. It overtakes the register kernel from about 24 rows.
+  whole weight to float32 slabs for MKL (`int8_matmul_slabs`, kept for CPUs without AVX2 and,
+  below, big chunks on AVX2) made a 256-token prefill's matmuls 1.6x float32's. It overtakes the
+  register kernel from about 24 rows.
   On AVX2-only CPUs its 6x16 tile does not beat MKL: on a Zen 3 EPYC (2 threads, SmolLM2's layer
   shapes, weights past the cache) it was 1.0-1.4x the slabs at 64-96 rows, level at 128-256 and
   0.75-0.92x at 384-1024 rows (99-115 against 110-137 GFLOP/s). There the slabs take the chunks
