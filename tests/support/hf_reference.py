@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.model import quant
+
 
 def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
@@ -29,3 +31,16 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
 @torch.inference_mode()
 def hf_next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def rounded_copy(hf_model, method: str = "int8"):
+    """transformers' model with every linear weight replaced by its int8 rounding, dequantized.
+
+    New tensors, not in-place copies: an lm_head tied to the embedding is rounded alone, as the
+    engine rounds it (the embedding keeps its float rows)."""
+    for module in hf_model.modules():
+        if isinstance(module, torch.nn.Linear):
+            q, scales = (quant.quantize_per_channel(module.weight) if method == "int8"
+                         else quant.quantize_groups(module.weight, quant.Q8_0_GROUP))
+            module.weight = torch.nn.Parameter(quant.dequantize(q, scales), requires_grad=False)
+    return hf_model

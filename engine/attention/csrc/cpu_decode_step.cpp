@@ -18,7 +18,7 @@
 namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
-enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5 };
+enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -40,6 +40,7 @@ c10::TypedOperatorHandle<Sig> typed_op(const char* name) {
 struct Ops {
   c10::TypedOperatorHandle<FloatLinear> float_linear = typed_op<FloatLinear>("pdserve_cpu::float_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
+  c10::TypedOperatorHandle<Int8Linear> int8_linear_a8 = typed_op<Int8Linear>("pdserve_cpu::int8_linear_a8");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
@@ -56,15 +57,16 @@ const Ops& ops() {
   return instance;
 }
 
-// x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 path `weight`
+// x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 paths `weight`
 // holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales); on the
 // panels path `packed` holds the weight in panels (layers.to_panels).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
-    case kInt8: {
+    case kInt8:
+    case kInt8A8: {
       TORCH_CHECK(packed.has_value(), "decode_layers: an int8 path without scales");
-      at::Tensor y = ops().int8_linear.call(x, weight, *packed);
+      at::Tensor y = (path == kInt8 ? ops().int8_linear : ops().int8_linear_a8).call(x, weight, *packed);
       return bias.has_value() ? y.add_(*bias) : y;
     }
     case kKernel:

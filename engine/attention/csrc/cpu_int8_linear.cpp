@@ -18,7 +18,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -365,6 +368,134 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+// --- int8 activations (`int8_activations`: W8A8, the dot product llama.cpp's Q8_0 path takes) ---
+// Each row of x is rounded to int8 in blocks of kActBlock values, one float scale per block
+// (amax / 127, round half to even), and each block's products are summed exactly in integers:
+// 32 weights cost one vpmaddubsw, one vpmaddwd and one conversion, where widening each weight to
+// float32 costs a conversion, a multiply by its group scale and an FMA per 8. At one row this reads
+// the weights at memory speed where widening stays below it. The error added is x's rounding: at
+// most half a step of its block per value (tests/engine/test_quantization.py states the bound).
+constexpr int64_t kActBlock = 32;
+constexpr float kActQmax = 127.f;  // symmetric, as the weights (quant.QMAX)
+constexpr int64_t kActPrefetchBytes = 1024;  // a weight row's stream, read ahead (measured: 512-4096 alike)
+constexpr int64_t kActPrefetchMaxRows = 4;
+
+// One row of x to int8 in blocks of kActBlock: xq = round(x / d) with d = amax / 127 per block.
+// Vector and scalar forms give the same bits: x * (1 / d) rounded half to even either way.
+void quantize_row(const float* x, int64_t k_size, int8_t* xq, float* xd) {
+  for (int64_t b = 0; b < k_size / kActBlock; ++b) {
+    const float* xb = x + b * kActBlock;
+#if PDSERVE_INT8_AVX2
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / kActQmax, id = d > 0.f ? 1.f / d : 0.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));  // half to even
+    // packs work within 128-bit lanes: the permute puts the 32 bytes back in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kActBlock),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    float amax = 0.f;
+    for (int i = 0; i < kActBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / kActQmax, id = d > 0.f ? 1.f / d : 0.f;
+    for (int i = 0; i < kActBlock; ++i) xq[b * kActBlock + i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+#endif
+    xd[b] = d;
+  }
+}
+
+#if PDSERVE_INT8_AVX2
+// The 32 products of one block, summed exactly in pairs to 8 int32 lanes, as floats. vpmaddubsw
+// multiplies unsigned by signed bytes, so x's sign moves onto w (|x| <= 127: a pair's sum fits int16).
+inline __m256 block_dot(const int8_t* w, const int8_t* xq) {
+  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+// sum over blocks b of (x's block scale * the weight's scale for b) * the block's integer dot
+// (gs: the weight row's group scales, one per 2^shift weights; none: a row scale applied after).
+template <bool PF>
+inline float row_dot_a8(const int8_t* xq, const float* xd, const int8_t* w, int64_t blocks, const float* gs,
+                        int shift) {
+  auto scale = [&](int64_t b) { return gs != nullptr ? xd[b] * gs[(b * kActBlock) >> shift] : xd[b]; };
+#if PDSERVE_INT8_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + b * kActBlock + kActPrefetchBytes), _MM_HINT_T0);
+    a0 = _mm256_fmadd_ps(block_dot(w + b * kActBlock, xq + b * kActBlock), _mm256_set1_ps(scale(b)), a0);
+    a1 = _mm256_fmadd_ps(block_dot(w + (b + 1) * kActBlock, xq + (b + 1) * kActBlock), _mm256_set1_ps(scale(b + 1)),
+                         a1);
+  }
+  if (b < blocks) a0 = _mm256_fmadd_ps(block_dot(w + b * kActBlock, xq + b * kActBlock), _mm256_set1_ps(scale(b)), a0);
+  return hsum(_mm256_add_ps(a0, a1));
+#else
+  float sum = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t dot = 0;
+    for (int64_t i = 0; i < kActBlock; ++i) dot += int32_t{xq[b * kActBlock + i]} * int32_t{w[b * kActBlock + i]};
+    sum += static_cast<float>(dot) * scale(b);
+  }
+  return sum;
+#endif
+}
+
+at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear_a8: x must be a 2-D float32 tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_linear_a8: weight must be a contiguous 2-D int8 tensor");
+  const int64_t m_size = x.size(0), n_size = weight.size(0), k_size = weight.size(1), blocks = k_size / kActBlock;
+  TORCH_CHECK(x.size(1) == k_size, "int8_linear_a8: x has ", x.size(1), " columns, weight ", k_size);
+  TORCH_CHECK(k_size % kActBlock == 0, "int8_linear_a8: rows of ", k_size, " do not split into blocks of ", kActBlock);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == n_size &&
+                  (scales.dim() == 1 || scales.dim() == 2),
+              "int8_linear_a8: scales must be float32, one per weight row (1-D) or per group of each row (2-D)");
+  const bool grouped = scales.dim() == 2;
+  const int64_t ldg = grouped ? scales.size(1) : 0, group = grouped ? k_size / std::max<int64_t>(ldg, 1) : 0;
+  TORCH_CHECK(!grouped || (ldg > 0 && k_size % ldg == 0 && group % kActBlock == 0 && (group & (group - 1)) == 0),
+              "int8_linear_a8: ", ldg, " groups do not split a row of ", k_size,
+              " into equal power-of-two groups of a multiple of ", kActBlock);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({m_size, k_size}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({m_size, blocks}, x.options());
+  for (int64_t m = 0; m < m_size; ++m)
+    quantize_row(xc.data_ptr<float>() + m * k_size, k_size, xq.data_ptr<int8_t>() + m * k_size,
+                 xd.data_ptr<float>() + m * blocks);
+  at::Tensor out = at::empty({m_size, n_size}, x.options());
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  const float *dp = xd.data_ptr<float>(), *sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int shift = grouped ? __builtin_ctzll(group) : 0;
+  auto run = [&](auto prefetch) {
+    over_row_blocks(n_size, false, [&](int64_t n0, int64_t n1) {
+      // Each weight row is read from memory once, then from L1 for every further row of x.
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < m_size; ++m) {
+          const float dot = row_dot_a8<decltype(prefetch)::value>(qp + m * k_size, dp + m * blocks, wp + n * k_size,
+                                                                  blocks, grouped ? sp + n * ldg : nullptr, shift);
+          op[m * n_size + n] = grouped ? dot : dot * sp[n];
+        }
+    });
+  };
+  if (m_size <= kActPrefetchMaxRows)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
+  return out;
+}
+
 #if PDSERVE_BF16_AVX512
 // sum_k x[k] * w[k] over one weight row: 32 bfloat16 pairs per vdpbf16ps, two accumulators to
 // overlap their latency, a masked load for the tail.
@@ -432,6 +563,7 @@ bool bf16_linear_available() { return PDSERVE_BF16_AVX512; }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_linear_a8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight, bool serial=False) -> Tensor");
   m.def("int8_linear_vectorized() -> bool");
   m.def("bf16_linear_available() -> bool");
@@ -439,6 +571,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear_a8", &int8_linear_a8);
   m.impl("float_linear", &float_linear);
 }
 
