@@ -226,3 +226,21 @@ def test_smollm2_q8_0_with_int8_activations_stays_within_tolerance_of_float32():
             agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
             total += want.shape[0]
     assert agree / total >= SMOLLM2_A8_AGREEMENT, f"{agree}/{total} greedy choices kept"
+
+
+def test_up_passes_the_flag_to_every_engine_and_only_with_it():
+    from pdserve import up
+    from pdserve.engine.server.cli import add_arguments, engine_args_from
+
+    def engines(*argv: str) -> list[argparse.Namespace]:
+        parser = argparse.ArgumentParser()
+        up.add_arguments(parser)
+        plan = up.build_plan(parser.parse_args(["--prefill", "1", "--decode", "2", *argv]),
+                             up.ModelSource("/models/m", "/models/m", "/models/m"))
+        serve = argparse.ArgumentParser()
+        add_arguments(serve)
+        return [serve.parse_args(list(c.argv[1:])) for c in plan.components if c.argv[:1] == ("serve",)]
+
+    on, off = engines("--int8-activations", "--quantization", "q8_0"), engines()
+    assert len(on) == 3 and all(engine_args_from(a).int8_activations for a in on)
+    assert len(off) == 3 and not any(engine_args_from(a).int8_activations for a in off)
