@@ -4,9 +4,11 @@ Two measurements, each an A/B inside this one process with the variants alternat
 1. The matmuls of one decode step of the bench model (bench_offline's ~100M Llama: hidden 768,
    12 layers, 4 KV heads, intermediate 2048, vocab 32000) at 1 and 16 rows, through the engine's
    own `linear` (prepacked float32, bfloat16 as this CPU runs it, int8 via engine/model/quant.py
-   with a scale per row, and q8_0 with a scale per 32 weights).
-2. Decode throughput of the whole engine on that model, float32 against `quantization="int8"` and
-   `"q8_0"`: 1 and 16 requests of 16-token prompts each generating the same number of tokens.
+   with a scale per row, q8_0 with a scale per 32 weights, and q8_0 with int8 activations too,
+   `q8_0+a8`: W8A8, see quant.py).
+2. Decode throughput of the whole engine on that model, float32 against `quantization="int8"`,
+   `"q8_0"` and `"q8_0"` with `int8_activations=True`: 1 and 16 requests of 16-token prompts each
+   generating the same number of tokens.
 The `auto` row says which dtype `dtype auto` gives a bfloat16 checkpoint here, and whether the
 measured step times agree (bfloat16 must be faster at both batch sizes to be the right pick).
 """
@@ -39,8 +41,8 @@ def make_layers(dtype: str, shapes: list[tuple[int, int]]):
     fns = []
     for out_f, in_f in shapes:
         w = torch.randn(out_f, in_f, generator=gen) * 0.02
-        if dtype in ("int8", "q8_0"):
-            fns.append(Int8Linear(w, group=32 if dtype == "q8_0" else None))
+        if dtype in ("int8", "q8_0", "q8_0+a8"):
+            fns.append(Int8Linear(w, group=None if dtype == "int8" else 32, int8_activations=dtype == "q8_0+a8"))
         else:
             w = w.to(getattr(torch, dtype))
             packed = pack_weight(w)
@@ -66,8 +68,10 @@ def time_step(fns, rows: int, dtype: torch.dtype, seconds: float) -> float:
 def matmul_rows(rounds: int, seconds: float) -> tuple[list[dict], dict]:
     shapes = step_shapes()
     variants = {"float32": make_layers("float32", shapes), "bfloat16": make_layers("bfloat16", shapes),
-                "int8": make_layers("int8", shapes), "q8_0": make_layers("q8_0", shapes)}
-    acts = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "q8_0": torch.float32}
+                "int8": make_layers("int8", shapes), "q8_0": make_layers("q8_0", shapes),
+                "q8_0+a8": make_layers("q8_0+a8", shapes)}
+    acts = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "q8_0": torch.float32,
+            "q8_0+a8": torch.float32}
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):  # alternate the variants, keep each one's best
         for rows in (1, 16):
@@ -93,7 +97,9 @@ def engine_rows(rounds: int, max_tokens: int) -> list[dict]:
     path = model_dir()
     engines = {"float32": LLM(path, dtype="float32", enable_prefix_caching=False, max_model_len=512),
                **{q: LLM(path, dtype="float32", quantization=q, enable_prefix_caching=False, max_model_len=512)
-                  for q in ("int8", "q8_0")}}
+                  for q in ("int8", "q8_0")},
+               "q8_0+a8": LLM(path, dtype="float32", quantization="q8_0", int8_activations=True,
+                              enable_prefix_caching=False, max_model_len=512)}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):

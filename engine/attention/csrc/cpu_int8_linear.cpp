@@ -412,44 +412,52 @@ void quantize_row(const float* x, int64_t k_size, int8_t* xq, float* xd) {
   }
 }
 
+// out[i * ldo] = sum over blocks b of (x row i's scale for b * the weight's scale for b) * the
+// block's integer dot, for MR rows of x against one weight row (gs: its group scales, one per
+// 2^shift weights; G false: a row scale the caller applies). Each weight block is loaded once for
+// all MR rows. A row's sum runs over the blocks in order in one accumulator whatever MR is, so its
+// result does not depend on the rows batched with it.
+template <int MR, bool PF, bool G>
+inline void tile_a8(const int8_t* xq, const float* xd, int64_t ldq, int64_t ldd, const int8_t* w, int64_t blocks,
+                    const float* gs, int shift, float* out, int64_t ldo) {
 #if PDSERVE_INT8_AVX2
-// The 32 products of one block, summed exactly in pairs to 8 int32 lanes, as floats. vpmaddubsw
-// multiplies unsigned by signed bytes, so x's sign moves onto w (|x| <= 127: a pair's sum fits int16).
-inline __m256 block_dot(const int8_t* w, const int8_t* xq) {
-  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
-// sum over blocks b of (x's block scale * the weight's scale for b) * the block's integer dot
-// (gs: the weight row's group scales, one per 2^shift weights; none: a row scale applied after).
-template <bool PF>
-inline float row_dot_a8(const int8_t* xq, const float* xd, const int8_t* w, int64_t blocks, const float* gs,
-                        int shift) {
-  auto scale = [&](int64_t b) { return gs != nullptr ? xd[b] * gs[(b * kActBlock) >> shift] : xd[b]; };
-#if PDSERVE_INT8_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(w + b * kActBlock + kActPrefetchBytes), _MM_HINT_T0);
-    a0 = _mm256_fmadd_ps(block_dot(w + b * kActBlock, xq + b * kActBlock), _mm256_set1_ps(scale(b)), a0);
-    a1 = _mm256_fmadd_ps(block_dot(w + (b + 1) * kActBlock, xq + (b + 1) * kActBlock), _mm256_set1_ps(scale(b + 1)),
-                         a1);
-  }
-  if (b < blocks) a0 = _mm256_fmadd_ps(block_dot(w + b * kActBlock, xq + b * kActBlock), _mm256_set1_ps(scale(b)), a0);
-  return hsum(_mm256_add_ps(a0, a1));
-#else
-  float sum = 0.f;
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
-    int32_t dot = 0;
-    for (int64_t i = 0; i < kActBlock; ++i) dot += int32_t{xq[b * kActBlock + i]} * int32_t{w[b * kActBlock + i]};
-    sum += static_cast<float>(dot) * scale(b);
+    if constexpr (PF)  // one prefetch per 64 bytes of the weight row
+      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + b * kActBlock + kActPrefetchBytes), _MM_HINT_T0);
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kActBlock));
+    float w_scale = 1.f;
+    if constexpr (G) w_scale = gs[(b * kActBlock) >> shift];
+    for (int i = 0; i < MR; ++i) {
+      // vpmaddubsw multiplies unsigned by signed bytes, so x's sign moves onto w (|x| <= 127: a
+      // pair's sum fits int16); vpmaddwd then sums the pairs exactly into 8 int32 lanes.
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldq + b * kActBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(G ? xd[i * ldd + b] * w_scale : xd[i * ldd + b]), acc[i]);
+    }
   }
-  return sum;
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]);
+#else
+  for (int i = 0; i < MR; ++i) {
+    float sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t dot = 0;
+      for (int64_t k = b * kActBlock; k < (b + 1) * kActBlock; ++k) dot += int32_t{xq[i * ldq + k]} * int32_t{w[k]};
+      sum += static_cast<float>(dot) * (G ? xd[i * ldd + b] * gs[(b * kActBlock) >> shift] : xd[i * ldd + b]);
+    }
+    out[i * ldo] = sum;
+  }
 #endif
 }
+
+template <int MR>
+struct RowsA8 {
+  template <bool PF, bool G, typename... Args>
+  static void run(Args... args) { tile_a8<MR, PF, G>(args...); }
+};
 
 at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear_a8: x must be a 2-D float32 tensor");
@@ -478,21 +486,35 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const a
   const float *dp = xd.data_ptr<float>(), *sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int shift = grouped ? __builtin_ctzll(group) : 0;
-  auto run = [&](auto prefetch) {
+  auto run = [&](auto prefetch, auto group_scales) {
+    constexpr bool PF = decltype(prefetch)::value, G = decltype(group_scales)::value;
     over_row_blocks(n_size, false, [&](int64_t n0, int64_t n1) {
-      // Each weight row is read from memory once, then from L1 for every further row of x.
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m = 0; m < m_size; ++m) {
-          const float dot = row_dot_a8<decltype(prefetch)::value>(qp + m * k_size, dp + m * blocks, wp + n * k_size,
-                                                                  blocks, grouped ? sp + n * ldg : nullptr, shift);
-          op[m * n_size + n] = grouped ? dot : dot * sp[n];
+      // Each weight row is read from memory once, then from L1 for every further tile of x rows.
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* w = wp + n * k_size;
+        const float* g = G ? sp + n * ldg : nullptr;
+        auto rows = [&](auto tile, int64_t m) {
+          decltype(tile)::template run<PF, G>(qp + m * k_size, dp + m * blocks, k_size, blocks, w, blocks, g, shift,
+                                              op + m * n_size + n, n_size);
+        };
+        int64_t m = 0;
+        for (; m + 4 <= m_size; m += 4) rows(RowsA8<4>{}, m);
+        switch (m_size - m) {
+          case 3: rows(RowsA8<3>{}, m); break;
+          case 2: rows(RowsA8<2>{}, m); break;
+          case 1: rows(RowsA8<1>{}, m); break;
+          default: break;
         }
+        if constexpr (!G)
+          for (int64_t i = 0; i < m_size; ++i) op[i * n_size + n] *= sp[n];
+      }
     });
   };
-  if (m_size <= kActPrefetchMaxRows)
-    run(std::true_type{});
+  const bool prefetch = m_size <= kActPrefetchMaxRows;
+  if (grouped)
+    prefetch ? run(std::true_type{}, std::true_type{}) : run(std::false_type{}, std::true_type{});
   else
-    run(std::false_type{});
+    prefetch ? run(std::true_type{}, std::false_type{}) : run(std::false_type{}, std::false_type{});
   return out;
 }
 
