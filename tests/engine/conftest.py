@@ -36,3 +36,12 @@ def float_packing(monkeypatch):
 
     yield use
     layers.float_packing.cache_clear()  # monkeypatch restores the variable after this: read afresh
+
+
+@pytest.fixture(scope="module")
+def kernels_ready():
+    """Skips tests of the int8 kernels where the C++ CPU kernels are not built."""
+    from pdserve.engine.model import quant
+
+    if not quant.kernel_available():
+        pytest.skip("the C++ CPU kernels are not built here (no compiler, or not an AVX2 CPU)")

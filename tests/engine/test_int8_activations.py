@@ -34,12 +34,6 @@ SMOLLM2_A8_ENGINE_AGREEMENT = 0.85
 SMOLLM2_A8_LOGPROB_GAP = 0.1
 
 
-@pytest.fixture(scope="module")
-def kernels_ready():
-    if not quant.kernel_available():
-        pytest.skip("the C++ CPU kernels are not built here (no compiler, or not an AVX2 CPU)")
-
-
 def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x's rows to int8 in blocks of BLOCK, as the kernel does: (int8 values, one scale per block)."""
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)

@@ -32,12 +32,6 @@ SMOLLM2_LOGITS_REL_TOLERANCE = 0.05
 SMOLLM2_AGREEMENT = 0.9
 
 
-@pytest.fixture(scope="module")
-def kernels_ready():
-    if not quant.kernel_available():
-        pytest.skip("the C++ CPU kernels are not built here (no compiler, or not an AVX2 CPU)")
-
-
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 7, 13), (3, 33, 77), (4, 64, 24), (5, 96, 8),
                                                              (17, 1001, 577), (32, 130, 256)])
 def test_int8_kernel_equals_the_plain_torch_expression(kernels_ready, rows, out_features, in_features):
