@@ -30,8 +30,9 @@ int8 activations (`int8_activations=True`, `--int8-activations`; W8A8): in decod
 register kernel's rows) each row of x is also rounded to int8, in blocks of ACT_BLOCK values with
 a float scale each (amax / 127), and each block's 32 products are summed exactly in integers
 (`int8_linear_a8`: vpmaddubsw and vpmaddwd, as llama.cpp's Q8_0 x Q8_0 dot product). That is a
-third of the instructions per weight of widening, so one row reads the weights at memory speed:
-1.3-1.7x the widening kernel on SmolLM2's decode matmuls (Zen 3 EPYC, 2 threads). The error it
+third of the instructions per weight of widening at one row, so a few rows read the weights at
+memory speed: 1.25-1.4x the widening kernel on SmolLM2's decode matmuls at one row, 1.35x at four,
+level at sixteen (Zen 3 EPYC, 2 threads). The error it
 adds is x's rounding, at most half a step of its block per value; each row is rounded alone, so a
 row's result does not depend on the rows batched with it. Prefill chunks (past SMALL_ROWS rows)
 keep float32 activations. Layers whose rows do not split into blocks of 32 keep them too.
