@@ -113,6 +113,9 @@ def test_all_zero_blocks_and_bad_shapes(kernels_ready):
     with pytest.raises(RuntimeError, match="groups do not split a row"):
         torch.ops.pdserve_cpu.int8_linear_a8(torch.randn(1, 96), torch.zeros(3, 96, dtype=torch.int8),
                                              torch.ones(3, 12))  # groups of 8: smaller than a block
+    with pytest.raises(RuntimeError, match="groups do not split a row"):
+        torch.ops.pdserve_cpu.int8_linear_a8(torch.randn(1, 0), torch.zeros(3, 0, dtype=torch.int8),
+                                             torch.ones(3, 1))  # empty rows: no group size at all
 
 
 def test_layer_rounds_activations_in_decode_rows_only(kernels_ready):

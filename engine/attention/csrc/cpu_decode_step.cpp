@@ -18,7 +18,9 @@
 namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
-enum LinearPath : int64_t { kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6 };
+enum LinearPath : int64_t {
+  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6
+};
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
 using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);

@@ -471,7 +471,8 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const a
               "int8_linear_a8: scales must be float32, one per weight row (1-D) or per group of each row (2-D)");
   const bool grouped = scales.dim() == 2;
   const int64_t ldg = grouped ? scales.size(1) : 0, group = grouped ? k_size / std::max<int64_t>(ldg, 1) : 0;
-  TORCH_CHECK(!grouped || (ldg > 0 && k_size % ldg == 0 && group % kActBlock == 0 && (group & (group - 1)) == 0),
+  TORCH_CHECK(!grouped || (ldg > 0 && k_size % ldg == 0 && group >= kActBlock && group % kActBlock == 0 &&
+                          (group & (group - 1)) == 0),
               "int8_linear_a8: ", ldg, " groups do not split a row of ", k_size,
               " into equal power-of-two groups of a multiple of ", kActBlock);
   const at::Tensor xc = x.contiguous();
