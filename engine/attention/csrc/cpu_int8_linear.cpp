@@ -374,7 +374,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // 32 weights cost one vpmaddubsw, one vpmaddwd and one conversion, where widening each weight to
 // float32 costs a conversion, a multiply by its group scale and an FMA per 8. At one row this reads
 // the weights at memory speed where widening stays below it. The error added is x's rounding: at
-// most half a step of its block per value (tests/engine/test_quantization.py states the bound).
+// most half a step of its block per value (tests/engine/test_int8_activations.py states the bound).
 constexpr int64_t kActBlock = 32;
 constexpr float kActQmax = 127.f;  // symmetric, as the weights (quant.QMAX)
 constexpr int64_t kActPrefetchBytes = 1024;  // a weight row's stream, read ahead (measured: 512-4096 alike)
