@@ -162,17 +162,25 @@ inline void tile_grouped(const float* x, int64_t ldx, const int8_t* w, int64_t l
     for (int j = 0; j < NR; ++j) out[i * ldo + j] = sums[i][j];
 }
 
+// f(std::integral_constant<int, MR>{}, m) for the tiles of up to 4 rows of x, first row m, in order.
+template <typename F>
+inline void over_x_tiles(int64_t m_size, const F& f) {
+  int64_t m = 0;
+  for (; m + 4 <= m_size; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (m_size - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
 // Every row of x (in tiles of up to 4) against one tile of weight rows, by `Tile<MR>`.
 template <template <int> class Tile, typename... Args>
 void rows_of_x(const float* x, int64_t m_size, int64_t ldx, float* out, int64_t ldo, Args... args) {
-  int64_t m = 0;
-  for (; m + 4 <= m_size; m += 4) Tile<4>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...);
-  switch (m_size - m) {
-    case 3: Tile<3>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
-    case 2: Tile<2>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
-    case 1: Tile<1>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...); break;
-    default: break;
-  }
+  over_x_tiles(m_size, [&](auto mr, int64_t m) {
+    Tile<decltype(mr)::value>::run(x + m * ldx, ldx, out + m * ldo, ldo, args...);
+  });
 }
 
 template <int NR, bool PF, typename W>
@@ -453,12 +461,6 @@ inline void tile_a8(const int8_t* xq, const float* xd, int64_t ldq, int64_t ldd,
 #endif
 }
 
-template <int MR>
-struct RowsA8 {
-  template <bool PF, bool G, typename... Args>
-  static void run(Args... args) { tile_a8<MR, PF, G>(args...); }
-};
-
 at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_linear_a8: x must be a 2-D float32 tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
@@ -494,18 +496,10 @@ at::Tensor int8_linear_a8(const at::Tensor& x, const at::Tensor& weight, const a
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* w = wp + n * k_size;
         const float* g = G ? sp + n * ldg : nullptr;
-        auto rows = [&](auto tile, int64_t m) {
-          decltype(tile)::template run<PF, G>(qp + m * k_size, dp + m * blocks, k_size, blocks, w, blocks, g, shift,
+        over_x_tiles(m_size, [&](auto mr, int64_t m) {
+          tile_a8<decltype(mr)::value, PF, G>(qp + m * k_size, dp + m * blocks, k_size, blocks, w, blocks, g, shift,
                                               op + m * n_size + n, n_size);
-        };
-        int64_t m = 0;
-        for (; m + 4 <= m_size; m += 4) rows(RowsA8<4>{}, m);
-        switch (m_size - m) {
-          case 3: rows(RowsA8<3>{}, m); break;
-          case 2: rows(RowsA8<2>{}, m); break;
-          case 1: rows(RowsA8<1>{}, m); break;
-          default: break;
-        }
+        });
         if constexpr (!G)
           for (int64_t i = 0; i < m_size; ++i) op[i * n_size + n] *= sp[n];
       }
