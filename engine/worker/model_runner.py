@@ -26,6 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_output.bitmask import GrammarMask
 from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs, plan_job
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
+from pdserve.engine.worker.kv_memory import zeroed_cache
 from pdserve.engine.worker.step_inputs import StepInputs
 from pdserve.engine.distributed import tp_rank
 from pdserve.kvstore.base import KVConnectorRole
@@ -117,7 +118,7 @@ class ModelRunner:
         """Allocate the cache; with a KV connector, hand it the tensors and return what it says."""
         attn = self.model.model.layers[0].self_attn  # type: ignore[union-attr]
         shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+        self.kv_caches = [zeroed_cache(shape, self.config.model.dtype, self.device)
                           for _ in range(self.config.model.num_hidden_layers)]
         self.connector = create_connector(self.config, KVConnectorRole.WORKER, tp_rank())
         if self.connector is None:
