@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-kv-blocks", type=int, help="override the measured KV block count")
-    p.add_argument("--kv-cache-memory-bytes", type=int, help="CPU: bytes of KV cache (default min(4 GiB, 30%% of RAM))")
+    p.add_argument("--kv-cache-memory-bytes", type=int,
+                   help="CPU: bytes of KV cache (default min(4 GiB, 30%% of RAM)); pages are taken as blocks are first used")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20)

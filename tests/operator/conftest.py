@@ -251,8 +251,14 @@ class Cluster:
     @contextlib.asynccontextmanager
     async def operator(self, **config: Any) -> AsyncIterator[None]:
         registry = register(OperatorConfig(kubeconfig=str(self.kubeconfig), **config))
+        settings = make_settings()
+        # kopf arms a SIGKILL of its own thread 10 minutes after it is cancelled, should its
+        # shutdown hang: right for an operator process, but here that thread is the test runner's,
+        # and the kill ended whole test runs long after the test that armed it. The stop below is
+        # bounded instead, and a hang fails the test that caused it.
+        settings.process.ultimate_exiting_timeout = None
         task = asyncio.create_task(kopf.operator(
-            registry=registry, settings=make_settings(), namespaces=[NAMESPACE], standalone=True,
+            registry=registry, settings=settings, namespaces=[NAMESPACE], standalone=True,
             memo=kopf.Memo()))
 
         def watching() -> bool:
@@ -266,9 +272,22 @@ class Cluster:
             await self.wait_for(watching, "the operator's watches")
             yield
         finally:
-            task.cancel()
+            await stop_operator(task)
+
+
+async def stop_operator(task: asyncio.Task, timeout: float = 30.0) -> None:
+    """Cancel the operator and wait for it, at most `timeout` s. kopf's shutdown waits, without a
+    bound, for every task started after the operator (kmock's connection handlers among them); a
+    second cancellation ends that wait."""
+    for _ in range(2):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if done:
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                task.result()  # surfaces the operator's crash
+            return
+    pending = sorted(t.get_name() for t in asyncio.all_tasks() if not t.done())
+    raise AssertionError(f"kopf did not stop within {2 * timeout:.0f}s of being cancelled; pending tasks: {pending}")
 
 
 @pytest.fixture
