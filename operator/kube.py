@@ -109,11 +109,14 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     return path
 
 
+REQUEST_TIMEOUT_S = 30.0  # httpx applies it to each phase of a request: connect, write, each read
+
+
 class KubeClient:
     """Called from kopf's handler threads at once; each thread gets its own connection pool, as
     one httpx.Client shared between threads has shown closed-socket errors under load."""
 
-    def __init__(self, credentials: Credentials, timeout: float = 30.0):
+    def __init__(self, credentials: Credentials, timeout: float = REQUEST_TIMEOUT_S):
         self._credentials = credentials
         self._timeout = timeout
         self._local = threading.local()

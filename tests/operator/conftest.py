@@ -29,6 +29,7 @@ import yaml
 
 from pdserve.operator import crd
 from pdserve.operator.handlers import OperatorConfig, make_settings, register
+from pdserve.operator.kube import REQUEST_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
@@ -253,10 +254,10 @@ class Cluster:
         registry = register(OperatorConfig(kubeconfig=str(self.kubeconfig), **config))
         settings = make_settings()
         # kopf arms a SIGKILL of its own thread 10 minutes after it is cancelled, should its
-        # shutdown hang: right for an operator process, but here that thread is the test runner's,
-        # and the kill ended whole test runs long after the test that armed it. The stop below is
-        # bounded instead, and a hang fails the test that caused it.
+        # shutdown hang: right for an operator process, but here that thread is the test runner's.
+        # It killed whole test runs, long after the test whose timers outlived its operator.
         settings.process.ultimate_exiting_timeout = None
+        before = asyncio.all_tasks()
         task = asyncio.create_task(kopf.operator(
             registry=registry, settings=settings, namespaces=[NAMESPACE], standalone=True,
             memo=kopf.Memo()))
@@ -272,22 +273,35 @@ class Cluster:
             await self.wait_for(watching, "the operator's watches")
             yield
         finally:
-            await stop_operator(task)
+            await stop_operator(task, before)
 
 
-async def stop_operator(task: asyncio.Task, timeout: float = 30.0) -> None:
-    """Cancel the operator and wait for it, at most `timeout` s. kopf's shutdown waits, without a
-    bound, for every task started after the operator (kmock's connection handlers among them); a
-    second cancellation ends that wait."""
-    for _ in range(2):
+async def stop_operator(task: asyncio.Task, before: set[asyncio.Task], timeout: float = 30.0) -> None:
+    """Stop the operator, then every task it left behind, while kmock still answers.
+
+    kopf's shutdown cancels every task started after the operator, kmock's request handlers among
+    them (they share the test's event loop). A timer's handler thread waiting on such a request
+    waits out its client's timeout, and kopf's runner of that timer, which cannot cancel a thread,
+    waits for it: that runner outlived the operator. Left to the event loop's teardown, after kmock
+    was gone, it failed, slept 60 s before its retry, and held the test until the run's timeout
+    (or, with kopf's SIGKILL armed, killed the run)."""
+    for _ in range(2):  # kopf waits, unbounded, for the tasks it cancels; a second cancel ends that
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if done:
-            with contextlib.suppress(asyncio.CancelledError):
-                task.result()  # surfaces the operator's crash
-            return
-    pending = sorted(t.get_name() for t in asyncio.all_tasks() if not t.done())
-    raise AssertionError(f"kopf did not stop within {2 * timeout:.0f}s of being cancelled; pending tasks: {pending}")
+            break
+    else:
+        raise AssertionError(f"kopf did not stop within {2 * timeout:.0f}s of being cancelled")
+    left = asyncio.all_tasks() - before - {asyncio.current_task()}
+    for leftover in left:
+        leftover.cancel()
+    if left:
+        # Longer than a handler's Kubernetes request may take.
+        _, pending = await asyncio.wait(left, timeout=REQUEST_TIMEOUT_S + 15)
+        if pending:
+            raise AssertionError(f"tasks the operator left would not stop: {sorted(t.get_name() for t in pending)}")
+    if not task.cancelled():
+        task.result()  # surfaces the operator's crash
 
 
 @pytest.fixture
