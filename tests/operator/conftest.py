@@ -284,7 +284,9 @@ async def stop_operator(task: asyncio.Task, before: set[asyncio.Task], timeout: 
     waits out its client's timeout, and kopf's runner of that timer, which cannot cancel a thread,
     waits for it: that runner outlived the operator. Left to the event loop's teardown, after kmock
     was gone, it failed, slept 60 s before its retry, and held the test until the run's timeout
-    (or, with kopf's SIGKILL armed, killed the run)."""
+    (or, with kopf's SIGKILL armed, killed the run). Cancelled once, the runner still waits for its
+    thread, then logs the failure and starts that 60 s sleep: the leftovers are cancelled again
+    every second until they end."""
     for _ in range(2):  # kopf waits, unbounded, for the tasks it cancels; a second cancel ends that
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=timeout)
@@ -292,14 +294,14 @@ async def stop_operator(task: asyncio.Task, before: set[asyncio.Task], timeout: 
             break
     else:
         raise AssertionError(f"kopf did not stop within {2 * timeout:.0f}s of being cancelled")
-    left = asyncio.all_tasks() - before - {asyncio.current_task()}
-    for leftover in left:
-        leftover.cancel()
-    if left:
-        # Longer than a handler's Kubernetes request may take.
-        _, pending = await asyncio.wait(left, timeout=REQUEST_TIMEOUT_S + 15)
-        if pending:
-            raise AssertionError(f"tasks the operator left would not stop: {sorted(t.get_name() for t in pending)}")
+    pending = asyncio.all_tasks() - before - {asyncio.current_task()}
+    deadline = asyncio.get_running_loop().time() + REQUEST_TIMEOUT_S + 15  # past a handler's longest request
+    while pending and asyncio.get_running_loop().time() < deadline:
+        for leftover in pending:
+            leftover.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+    if pending:
+        raise AssertionError(f"tasks the operator left would not stop: {sorted(t.get_name() for t in pending)}")
     if not task.cancelled():
         task.result()  # surfaces the operator's crash
 
