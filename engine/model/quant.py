@@ -40,7 +40,13 @@ keep float32 activations. Layers whose rows do not split into blocks of 32 keep 
 Rejected after measuring: ATen's `_weight_int8pack_mm` (a scalar loop without AVX-512: 10-50x
 slower than float32 here) and `torch._int_mm` (slower still), and fbgemm's dynamic-quantized
 linear (fast, but it rounds x to 7 bits with one scale per call: SmolLM2's outlier activations
-then change the greedy output from the first token).
+then change the greedy output from the first token). Also an integer GEMM for prefill chunks with
+int8 activations (x rounded to int16 per block of 32, the int8 weight widened to int16 in panels,
+vpmaddwd + vpaddd into int32): on a Zen 3 EPYC vpmaddwd and vpaddd issue on the same two pipes,
+so one pair (16 multiply-adds) takes the cycle two float32 FMAs take; it ran SmolLM2's prefill
+shapes at 87-109 GFLOP/s against 92-107 for the float32 GEMM above, at 64-512 rows. Bytes
+(vpmaddubsw) need x's sign moved onto the weight per product and a widening vpmaddwd: no faster.
+Integer prefill needs VNNI (vpdpbusd / vpdpwssd, one instruction per 64 or 32 products).
 
 Quantization happens after loading, so each tensor-parallel rank quantizes its own shard.
 """
