@@ -276,6 +276,19 @@ class Cluster:
             await stop_operator(task, before)
 
 
+async def cancel_until_done(tasks: set[asyncio.Task], within: float, every: float) -> set[asyncio.Task]:
+    """Cancel `tasks`, and again every `every` seconds, until they end or `within` seconds pass;
+    returns those still pending."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    pending = set(tasks)
+    while pending and loop.time() < deadline:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(every, deadline - loop.time()))
+    return pending
+
+
 async def stop_operator(task: asyncio.Task, before: set[asyncio.Task], timeout: float = 30.0) -> None:
     """Stop the operator, then every task it left behind, while kmock still answers.
 
@@ -287,19 +300,11 @@ async def stop_operator(task: asyncio.Task, before: set[asyncio.Task], timeout: 
     (or, with kopf's SIGKILL armed, killed the run). Cancelled once, the runner still waits for its
     thread, then logs the failure and starts that 60 s sleep: the leftovers are cancelled again
     every second until they end."""
-    for _ in range(2):  # kopf waits, unbounded, for the tasks it cancels; a second cancel ends that
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if done:
-            break
-    else:
+    # kopf waits, unbounded, for the tasks it cancels; a second cancel ends that.
+    if await cancel_until_done({task}, within=2 * timeout, every=timeout):
         raise AssertionError(f"kopf did not stop within {2 * timeout:.0f}s of being cancelled")
-    pending = asyncio.all_tasks() - before - {asyncio.current_task()}
-    deadline = asyncio.get_running_loop().time() + REQUEST_TIMEOUT_S + 15  # past a handler's longest request
-    while pending and asyncio.get_running_loop().time() < deadline:
-        for leftover in pending:
-            leftover.cancel()
-        _, pending = await asyncio.wait(pending, timeout=1.0)
+    left = asyncio.all_tasks() - before - {asyncio.current_task()}
+    pending = await cancel_until_done(left, within=REQUEST_TIMEOUT_S + 15, every=1.0)  # past a handler's request
     if pending:
         raise AssertionError(f"tasks the operator left would not stop: {sorted(t.get_name() for t in pending)}")
     if not task.cancelled():
