@@ -62,6 +62,8 @@ class EngineArgs:
     advertise_address: str | None = None  # host:port of this engine's HTTP API, as routers reach it
     # A step running longer than this makes the core unresponsive (engine/core/liveness.py); 0: never.
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    # CUDA: run every step eagerly, without the decode graphs captured at start-up (worker/decode_graphs.py).
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> "EngineConfig":
         from pdserve.engine.demo import resolve_model
@@ -121,6 +123,7 @@ class EngineArgs:
             coordinator_publish_address=self.coordinator_publish_address,
             advertise_address=self.advertise_address,
             step_timeout=self.step_timeout,
+            enforce_eager=self.enforce_eager,
         )
 
     @classmethod
@@ -433,6 +436,7 @@ class EngineConfig:
     coordinator_publish_address: str | None = None
     advertise_address: str | None = None
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S  # seconds; 0: a long step never makes the core unresponsive
+    enforce_eager: bool = False  # CUDA: no decode graphs
     # Filled in by the executor once the KV cache is sized.
     num_kv_blocks: int = 0
 

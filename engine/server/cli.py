@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each) and take integer dot products, as llama.cpp's Q8_0 does: faster decode "
                         "at a few rows; adds that rounding to the weights' (see engine/model/quant.py)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly; by default decode steps of up to min(max-num-seqs, 256) "
+                        "requests replay CUDA graphs captured at start-up (one launch per step instead of a few "
+                        "hundred). No effect on the CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-kv-blocks", type=int, help="override the measured KV block count")
     p.add_argument("--kv-cache-memory-bytes", type=int,
@@ -157,7 +161,7 @@ def engine_args_from(args: argparse.Namespace):
         coordinator_publish_address=args.coordinator_publish_address,
         data_parallel_size=args.data_parallel_size, data_parallel_lockstep=args.data_parallel_lockstep,
         advertise_address=advertise_address(args.host, args.port),
-        step_timeout=args.step_timeout,
+        step_timeout=args.step_timeout, enforce_eager=args.enforce_eager,
     )
 
 

@@ -27,8 +27,10 @@ from pdserve.engine.structured_output.bitmask import GrammarMask
 from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs, plan_job
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
 from pdserve.engine.worker.kv_memory import zeroed_cache
+from pdserve.engine.worker import decode_graphs
+from pdserve.engine.worker.decode_graphs import DecodeGraphs
 from pdserve.engine.worker.step_inputs import StepInputs
-from pdserve.engine.distributed import tp_rank
+from pdserve.engine.distributed import tp_rank, tp_size
 from pdserve.kvstore.base import KVConnectorRole
 from pdserve.kvstore.factory import create_connector
 
@@ -103,6 +105,7 @@ class ModelRunner:
                                  self.max_blocks_per_req, device)
         # The sampling function; an attribute so a profiler can wrap it (pdserve.bench.step_profile).
         self.sample_fn = sample
+        self.decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), once the cache exists
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -124,6 +127,25 @@ class ModelRunner:
         if self.connector is None:
             return None
         return self.connector.register_kv_caches(self.kv_caches)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture decode steps as graphs where the device records them (decode_graphs.py), unless
+        --enforce-eager; tensor-parallel ranks run eagerly (their all-reduces are not captured)."""
+        new_graph = decode_graphs.graph_factory(self.device)
+        if new_graph is None or self.config.enforce_eager or tp_size() != 1:
+            return
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta,  # type: ignore[misc]
+                                self.backend.attend, self.backend.write_kv)
+            return self.model.compute_logits(hidden)  # type: ignore[union-attr]
+
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(forward, self.backend.plan, new_graph, decode_graphs.capture_sizes(sched.max_num_seqs),
+                              self.block_size, self.max_blocks_per_req, self.config.model.max_model_len, self.device)
+        with torch.inference_mode():
+            graphs.capture()
+        self.decode_graphs = graphs if graphs.sizes else None
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -215,34 +237,47 @@ class ModelRunner:
         num_decodes = int(np.count_nonzero(query_lens == 1))
         max_seq_len = int(seq_lens.max())
         max_blocks = cdiv(max_seq_len, bs)
-
-        meta = AttentionMetadata(
-            num_reqs=num_reqs, num_decodes=num_decodes, num_tokens=num_tokens,
-            max_query_len=int(query_lens.max()), max_seq_len=max_seq_len, block_size=bs,
-            query_start_loc=buf.to_device(buf.query_start_loc_t, num_reqs + 1, "query_start_loc"),
-            seq_lens=buf.to_device(buf.seq_lens_t, num_reqs, "seq_lens"),
-            block_tables=buf.block_tables(num_reqs, max_blocks),
-            slot_mapping=buf.to_device(buf.slots_t, num_tokens, "slots"),
-            query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=table[:num_reqs, :max_blocks],
-        )
-        meta.backend_plan = self.backend.plan(meta)
         timing = StepTiming(num_reqs=num_reqs, num_tokens=num_tokens, num_decodes=num_decodes,
                             decode_context_tokens=int(seq_lens[:num_decodes].sum()))
-        prepared = time.perf_counter()
-        timing.prepare_s = prepared - step_start
-        hidden = self.model(buf.to_device(buf.input_ids_t, num_tokens, "input_ids"),  # type: ignore[misc]
-                            buf.to_device(buf.positions_t, num_tokens, "positions"),
-                            self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
-        prompt_logprobs = self._prompt_logprobs(hidden, [order[i] for i in prompt_lp_rows], starts[prompt_lp_rows],
-                                                query_lens[prompt_lp_rows], cu[prompt_lp_rows]) if prompt_lp_rows else {}
-        if not sampling_rows:
-            timing.forward_s = self._synchronized_time() - prepared
-            return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, timing=timing)
-        if len(sampling_rows) == num_tokens:  # every token is its request's last (a decode batch)
-            last_hidden = hidden
+        graphs = self.decode_graphs
+        # A one-token chunk of a longer prompt is a row that does not sample: those steps run eagerly.
+        replayable = (graphs is not None and num_decodes == num_tokens and len(sampling_rows) == num_reqs
+                      and not prompt_lp_rows)
+        size = graphs.size_for(num_reqs) if replayable else None
+        prompt_logprobs: dict[str, Any] = {}
+        if size is not None:  # decodes alone, each sampling: replay the captured step
+            prepared = time.perf_counter()
+            timing.prepare_s = prepared - step_start
+            logits = graphs.run(num_reqs, size, buf.input_ids_t, buf.positions_t, buf.slots_t, buf.seq_lens_t,
+                                table[:num_reqs, :max_blocks])
         else:
-            last_hidden = hidden[torch.from_numpy(cu[1:][sampling_rows] - 1).to(self.device)]
-        logits = self.model.compute_logits(last_hidden)  # type: ignore[union-attr]
+            meta = AttentionMetadata(
+                num_reqs=num_reqs, num_decodes=num_decodes, num_tokens=num_tokens,
+                max_query_len=int(query_lens.max()), max_seq_len=max_seq_len, block_size=bs,
+                query_start_loc=buf.to_device(buf.query_start_loc_t, num_reqs + 1, "query_start_loc"),
+                seq_lens=buf.to_device(buf.seq_lens_t, num_reqs, "seq_lens"),
+                block_tables=buf.block_tables(num_reqs, max_blocks),
+                slot_mapping=buf.to_device(buf.slots_t, num_tokens, "slots"),
+                query_start_loc_np=cu, seq_lens_np=seq_lens, block_tables_np=table[:num_reqs, :max_blocks],
+            )
+            meta.backend_plan = self.backend.plan(meta)
+            prepared = time.perf_counter()
+            timing.prepare_s = prepared - step_start
+            hidden = self.model(buf.to_device(buf.input_ids_t, num_tokens, "input_ids"),  # type: ignore[misc]
+                                buf.to_device(buf.positions_t, num_tokens, "positions"),
+                                self.kv_caches, meta, self.backend.attend, self.backend.write_kv)
+            if prompt_lp_rows:
+                prompt_logprobs = self._prompt_logprobs(hidden, [order[i] for i in prompt_lp_rows],
+                                                        starts[prompt_lp_rows], query_lens[prompt_lp_rows],
+                                                        cu[prompt_lp_rows])
+            if not sampling_rows:
+                timing.forward_s = self._synchronized_time() - prepared
+                return ModelRunnerOutput({}, prompt_logprobs=prompt_logprobs, timing=timing)
+            if len(sampling_rows) == num_tokens:  # every token is its request's last (a decode batch)
+                last_hidden = hidden
+            else:
+                last_hidden = hidden[torch.from_numpy(cu[1:][sampling_rows] - 1).to(self.device)]
+            logits = self.model.compute_logits(last_hidden)  # type: ignore[union-attr]
         forwarded = self._synchronized_time()
         timing.forward_s = forwarded - prepared
         states = [self.requests[order[i]] for i in sampling_rows]

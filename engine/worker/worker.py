@@ -86,7 +86,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> dict[str, Any] | None:
         assert self.runner is not None
-        return self.runner.initialize_kv_cache(num_blocks)
+        info = self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_decode_graphs()  # needs the cache: the captured steps read and write it
+        return info
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None

@@ -23,11 +23,17 @@ CHECKS = Path(__file__).resolve().parent.parent / "gpu" / "gpu_checks.py"
 # prompt 3 decode steps over its cached context, and the short prompts decode beside the long
 # one's prefill chunks.
 MAX_NEW_TOKENS = 4
-# name -> why it is here. A step budget of 48 tokens chunks the 130-token prompt and mixes
-# decodes with prefills that continue over cached context.
-MODELS = {
-    "llama_2layers": "GQA group 2, head_dim 32, 2 layers sharing each step's plan",
-    "tied": "GQA group 3 (padded to 4 rows), head_dim 16, tied embeddings",
+# run -> (model, extra arguments, why it is here). A step budget of 48 tokens chunks the 130-token
+# prompt and mixes decodes with prefills that continue over cached context.
+RUNS = {
+    "llama_2layers": ("llama_2layers", [], "GQA group 2, head_dim 32, 2 layers sharing each step's plan"),
+    "tied": ("tied", [], "GQA group 3 (padded to 4 rows), head_dim 16, tied embeddings"),
+    # Decodes alone (4 at a time while the other 4 prompts wait, then the last ones' tails) replay
+    # the step captured per batch size (engine/worker/decode_graphs.py), recorded by gpu_checks'
+    # ReplayGraph: the kernels read padded rows (slot -1, one key in block 0) and a key split
+    # planned for max_model_len from the static buffers, as a CUDA graph's replay does.
+    "llama_2layers graphs": ("llama_2layers", ["--graphs", "--max-num-seqs", "4"],
+                             "decode steps replayed from graphs captured at batch sizes 1, 2 and 4"),
 }
 
 
@@ -38,10 +44,11 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, str, dict | None]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONSAFEPATH="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
-    for name in MODELS:
-        command = [sys.executable, str(CHECKS), "engine", "--model", name, "--triton", "--device", "cpu",
-                   "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-num-batched-tokens", "48",
-                   "--models-dir", str(folder / "models"), "--json", str(folder / f"{name}.json")]
+    for name, (model, extra, _) in RUNS.items():
+        # Each run its own models folder: two children building one checkpoint at once would race.
+        command = [sys.executable, str(CHECKS), "engine", "--model", model, "--triton", "--device", "cpu",
+                   "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-num-batched-tokens", "48", *extra,
+                   "--models-dir", str(folder / name.replace(" ", "-")), "--json", str(folder / f"{name}.json")]
         procs[name] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
     try:
@@ -57,12 +64,16 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, str, dict | None]]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(RUNS))
 def test_engine_on_triton_backend_matches_transformers(runs, name):
     code, output, result = runs[name]
     assert result is not None, f"{CHECKS.name} wrote no results (exit {code}):\n{output[-6000:]}"
     assert result["backend"] == "triton (interpreted)"
     assert result["matched"] == [MAX_NEW_TOKENS] * len(result["prompt_lengths"]), (
-        f"{name} ({MODELS[name]}): leading tokens matching transformers per prompt of lengths "
+        f"{name} ({RUNS[name][2]}): leading tokens matching transformers per prompt of lengths "
         f"{result['prompt_lengths']}: {result['matched']}")
+    if "--graphs" in RUNS[name][1]:
+        assert result["decode_graph_replays"] > 0, "no decode step replayed a captured graph"
+    else:
+        assert result["decode_graph_replays"] == 0
     assert code == 0

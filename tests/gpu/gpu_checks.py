@@ -96,15 +96,41 @@ def use_triton_backend() -> None:
     model_runner.attention_backend = triton_backend
 
 
+class ReplayGraph:
+    """Stands in for a CUDA graph where none can be recorded (engine/worker/decode_graphs.py's
+    Graph): capture runs the step once and keeps it, a closure over the static input buffers and
+    the metadata fixed at capture, as a graph keeps its kernels; replay runs it again."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.output = None
+
+    def capture(self, fn) -> None:
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        self.output = self.fn()
+
+
+def use_replayed_graphs() -> None:
+    """Make the model runner capture decode graphs on any device, with ReplayGraph recording them."""
+    from pdserve.engine.worker import decode_graphs
+
+    decode_graphs.graph_factory = lambda device: ReplayGraph
+
+
 def engine_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, device: str, dtype: str,
-                  **engine_args: Any) -> list[list[int]]:
+                  **engine_args: Any) -> tuple[list[list[int]], int]:
+    """Greedy tokens per prompt, and how many decode steps replayed a captured graph."""
     from pdserve.engine import LLM, SamplingParams
 
     engine_args.setdefault("num_kv_blocks", 256)
     with LLM(path, device=device, dtype=dtype, **engine_args) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outputs]
+        graphs = llm.engine.client.engine_core.executor.worker.runner.decode_graphs
+    return [o.outputs[0].token_ids for o in outputs], graphs.replays if graphs is not None else 0
 
 
 def load_hf(path: str, device: str, dtype: str):
@@ -145,6 +171,8 @@ class ParityResult:
     matched: list[int]
     engine_tokens: list[list[int]] = field(repr=False)
     hf_tokens: list[list[int]] = field(repr=False)
+    # Decode steps that replayed a captured graph (0 with --enforce-eager, or where none was captured).
+    decode_graph_replays: int = 0
 
     @property
     def exact(self) -> bool:
@@ -166,13 +194,13 @@ def parity(name: str, root: str, device: str, dtype: str, max_new_tokens: int = 
     expected = hf_greedy(hf_model, prompts, max_new_tokens)
     del hf_model
     _release(device)
-    got = engine_greedy(path, prompts, max_new_tokens, device, dtype, **engine_args)
+    got, replays = engine_greedy(path, prompts, max_new_tokens, device, dtype, **engine_args)
     _release(device)
     backend = "triton" if triton or device.startswith("cuda") else "cpu"
     if triton and not device.startswith("cuda"):
         backend += " (interpreted)" if os.environ.get("TRITON_INTERPRET") == "1" else ""
     return ParityResult(name, device, dtype, backend, max_new_tokens, lengths,
-                        [matched_prefix(a, b) for a, b in zip(got, expected)], got, expected)
+                        [matched_prefix(a, b) for a, b in zip(got, expected)], got, expected, replays)
 
 
 def first_token_logprob_gap(name: str, root: str, device: str, dtype: str, k: int = 5,
@@ -284,16 +312,20 @@ def throughput(root: str, device: str, dtype: str, num_requests: int = 64, promp
     result: dict[str, Any] = dict(model="llama_100m", device=device, dtype=dtype, num_requests=num_requests,
                                   prompt_len=prompt_len, output_len=output_len)
 
-    with LLM(path, device=device, dtype=dtype) as llm:
-        for run in range(2):
-            start = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            elapsed = time.perf_counter() - start
-        assert sum(len(o.outputs[0].token_ids) for o in outputs) == useful
-        result["pdserve_s"] = round(elapsed, 3)
-        result["pdserve_tok_s"] = round(useful / elapsed, 1)
-        result["num_kv_blocks"] = llm.engine.config.num_kv_blocks
-    _release(device)
+    # With the decode graphs (the default on CUDA), then every step eager (--enforce-eager).
+    for key, eager in (("pdserve", False), ("pdserve_eager", True)):
+        with LLM(path, device=device, dtype=dtype, enforce_eager=eager) as llm:
+            for run in range(2):
+                start = time.perf_counter()
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                elapsed = time.perf_counter() - start
+            assert sum(len(o.outputs[0].token_ids) for o in outputs) == useful
+            result[f"{key}_s"] = round(elapsed, 3)
+            result[f"{key}_tok_s"] = round(useful / elapsed, 1)
+            result["num_kv_blocks"] = llm.engine.config.num_kv_blocks
+            graphs = llm.engine.client.engine_core.executor.worker.runner.decode_graphs
+            result[f"{key}_graph_sizes"] = graphs.sizes if graphs is not None else []
+        _release(device)
 
     model = load_hf(path, device, dtype)
     inputs = torch.tensor(prompts, device=device)
@@ -384,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     eng.add_argument("--max-new-tokens", type=int, default=32)
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--triton", action="store_true", help="use the Triton backend (interpreted on CPU)")
+    eng.add_argument("--max-num-seqs", type=int, default=None)
+    eng.add_argument("--graphs", action="store_true",
+                     help="on the CPU: capture decode graphs too, recorded by ReplayGraph (CUDA records real ones)")
+    eng.add_argument("--enforce-eager", action="store_true", help="no decode graphs (on CUDA)")
     for p in (rep, ker, eng):
         p.add_argument("--models-dir", default=None, help="where checkpoints are built (default: a temp folder)")
         p.add_argument("--json", default=None, help="write the results here")
@@ -410,6 +446,12 @@ def main(argv: list[str] | None = None) -> int:
             extra = {}
             if args.max_num_batched_tokens:
                 extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+            if args.max_num_seqs:
+                extra["max_num_seqs"] = args.max_num_seqs
+            if args.enforce_eager:
+                extra["enforce_eager"] = True
+            if args.graphs and not args.device.startswith("cuda"):
+                use_replayed_graphs()
             r = parity(args.model, root, args.device, args.dtype, args.max_new_tokens, triton=args.triton, **extra)
             result = asdict(r)
             ok = r.exact

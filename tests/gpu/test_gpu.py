@@ -63,11 +63,18 @@ def test_compiled_kernel_matches_reference(kernel_results, name):
     assert result["ok"], f"{name}: {result.get('message', result)}"
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("name", [*gpu_checks.TINY_SPECS, "llama_100m"])
-def test_fp32_greedy_matches_transformers_on_cuda(models, name):
-    r = gpu_checks.parity(name, models, "cuda", "float32", max_new_tokens=32)
+def test_fp32_greedy_matches_transformers_on_cuda(models, name, eager):
+    """By default decode steps replay the CUDA graphs captured at start-up; --enforce-eager runs
+    every step eagerly. Both give transformers' tokens."""
+    r = gpu_checks.parity(name, models, "cuda", "float32", max_new_tokens=32, enforce_eager=eager)
     assert r.backend == "triton"
     assert r.exact, f"{name}: leading tokens matching transformers per prompt {r.prompt_lengths}: {r.matched}"
+    if eager:
+        assert r.decode_graph_replays == 0
+    else:
+        assert r.decode_graph_replays > 0, "no decode step replayed a captured CUDA graph"
 
 
 @pytest.mark.parametrize("dtype,tolerance", [("float32", FP32_LOGPROB_TOLERANCE),
