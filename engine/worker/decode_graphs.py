@@ -79,7 +79,8 @@ class CudaGraph:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: a KV connector's thread touching CUDA meanwhile must not void this capture.
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             self.output = fn()
 
     def replay(self) -> None:
