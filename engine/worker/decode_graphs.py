@@ -138,7 +138,8 @@ REPLAY_TOLERANCE = 1e-3
 def replay_agrees(replayed: torch.Tensor, eager: torch.Tensor) -> tuple[bool, str]:
     """Whether a replay computed the eager step's logits, and a note when not to the bit."""
     if replayed.shape != eager.shape or replayed.dtype != eager.dtype:
-        return False, f"replayed logits {tuple(replayed.shape)} {replayed.dtype}, eager {tuple(eager.shape)} {eager.dtype}"
+        return False, (f"replayed logits {tuple(replayed.shape)} {replayed.dtype}, "
+                       f"eager {tuple(eager.shape)} {eager.dtype}")
     if torch.equal(replayed, eager):
         return True, ""
     if not (torch.isfinite(replayed).all() and torch.isfinite(eager).all()):

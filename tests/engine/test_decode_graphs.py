@@ -78,6 +78,30 @@ def test_replay_agrees_only_with_the_eager_logits():
     assert not replay_agrees(nan, eager)[0]
 
 
+def test_rows_past_the_batch_are_padding_every_step():
+    """A step of 3 decodes replayed at size 4 after a step of 4: row 3 still holds the finished
+    request's slot, which may now belong to another request. Each fill must make it padding again:
+    no KV write (slot -1), one key of context in block 0, token 0 at position 0."""
+    import numpy as np
+
+    static = decode_graphs.StaticInputs(rows=8, max_blocks_per_req=6, device=torch.device("cpu"))
+    ids = torch.tensor([11, 12, 13, 14])
+    positions = torch.tensor([40, 41, 42, 43])
+    slots = torch.tensor([100, 201, 302, 403])
+    seq_lens = torch.tensor([41, 42, 43, 44], dtype=torch.int32)
+    table = np.arange(4 * 3, dtype=np.int32).reshape(4, 3) + 5
+    static.fill(4, 4, ids, positions, slots, seq_lens, table)
+    assert static.slots[:4].tolist() == [100, 201, 302, 403]
+    assert static.block_tables[:4, :3].tolist() == table.tolist()
+
+    static.fill(3, 4, ids[1:], positions[1:], slots[1:], seq_lens[1:], table[1:])
+    assert static.input_ids[:4].tolist() == [12, 13, 14, 0]
+    assert static.positions[:4].tolist() == [41, 42, 43, 0]
+    assert static.slots[:4].tolist() == [201, 302, 403, -1]
+    assert static.seq_lens[:4].tolist() == [42, 43, 44, 1]
+    assert static.block_tables[:3, :3].tolist() == table[1:].tolist() and static.block_tables[3, 0] == 0
+
+
 # -- the engine through the replay path ----------------------------------------------------------
 
 def test_no_graphs_on_the_cpu_by_default(path):
