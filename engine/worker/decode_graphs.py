@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -151,13 +150,6 @@ def replay_agrees(replayed: torch.Tensor, eager: torch.Tensor) -> tuple[bool, st
     return False, f"replayed logits differ from the eager step's by up to {diff:.3g} (largest {scale:.3g})"
 
 
-@dataclass
-class _Captured:
-    size: int
-    graph: Graph
-    meta: AttentionMetadata
-
-
 class DecodeGraphs:
     """Captured decode steps of one model, one per batch size.
 
@@ -168,10 +160,10 @@ class DecodeGraphs:
                  plan: Callable[[AttentionMetadata], Any], new_graph: Callable[[], Graph], sizes: list[int],
                  block_size: int, max_blocks_per_req: int, max_model_len: int, device: torch.device) -> None:
         self.forward, self.plan, self.new_graph = forward, plan, new_graph
-        self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
+        self.block_size, self.max_model_len = block_size, max_model_len
         self.static = StaticInputs(max(sizes), max_blocks_per_req, device)
         self.wanted = sorted(sizes)
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[int, Graph] = {}
         self.sizes: list[int] = []  # the captured ones that passed their check, ascending
         self.replays = 0
 
@@ -215,7 +207,7 @@ class DecodeGraphs:
                 continue
             if how:
                 log.info("decode graphs: batch size %d %s", size, how)
-            self.graphs[size] = _Captured(size, graph, meta)
+            self.graphs[size] = graph
         self.sizes = sorted(self.graphs)
         if dropped:
             log.warning("decode graphs: these batch sizes run eagerly: %s", "; ".join(dropped))
@@ -229,11 +221,11 @@ class DecodeGraphs:
     def run(self, n: int, size: int, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             seq_lens: torch.Tensor, block_table: np.ndarray) -> torch.Tensor:
         """Logits of a step of n decodes (rows [:n] of each host input), replayed at `size`."""
-        captured = self.graphs[size]
+        graph = self.graphs[size]
         self.static.fill(n, size, input_ids, positions, slots, seq_lens, block_table)
-        captured.graph.replay()
+        graph.replay()
         self.replays += 1
-        return captured.graph.output[:n]
+        return graph.output[:n]
 
 
 __all__ = ["CudaGraph", "DecodeGraphs", "Graph", "MAX_CAPTURE_SIZE", "StaticInputs", "bucket_of",

@@ -28,7 +28,6 @@ from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_pro
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
 from pdserve.engine.worker.kv_memory import zeroed_cache
 from pdserve.engine.worker import decode_graphs
-from pdserve.engine.worker.decode_graphs import DecodeGraphs
 from pdserve.engine.worker.step_inputs import StepInputs
 from pdserve.engine.distributed import tp_rank, tp_size
 from pdserve.kvstore.base import KVConnectorRole
@@ -105,7 +104,8 @@ class ModelRunner:
                                  self.max_blocks_per_req, device)
         # The sampling function; an attribute so a profiler can wrap it (pdserve.bench.step_profile).
         self.sample_fn = sample
-        self.decode_graphs: DecodeGraphs | None = None  # captured decode steps (CUDA), once the cache exists
+        # Captured decode steps (CUDA), once the cache exists.
+        self.decode_graphs: decode_graphs.DecodeGraphs | None = None
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -141,8 +141,9 @@ class ModelRunner:
             return self.model.compute_logits(hidden)  # type: ignore[union-attr]
 
         sched = self.config.scheduler
-        graphs = DecodeGraphs(forward, self.backend.plan, new_graph, decode_graphs.capture_sizes(sched.max_num_seqs),
-                              self.block_size, self.max_blocks_per_req, self.config.model.max_model_len, self.device)
+        graphs = decode_graphs.DecodeGraphs(forward, self.backend.plan, new_graph,
+                                            decode_graphs.capture_sizes(sched.max_num_seqs), self.block_size,
+                                            self.max_blocks_per_req, self.config.model.max_model_len, self.device)
         with torch.inference_mode():
             graphs.capture()
         self.decode_graphs = graphs if graphs.sizes else None

@@ -318,10 +318,14 @@ inline float row_dot(const float* x, const W* w, int64_t k_size, const float* gs
   // Power-of-two groups (Q8_0's 32) find their scale by a shift; groups are whole chunks of 8.
   const int shift = (gs != nullptr && (group & (group - 1)) == 0) ? __builtin_ctzll(group) : -1;
   auto scale_at = [&](int64_t k) { return shift >= 0 ? gs[k >> shift] : gs[k / group]; };
-  auto chunk = [&](int64_t k, int chain) {
-    if constexpr (sizeof(W) == 1) {  // int8 rows are short: ask for the row kRowsAhead8 on (no fault past the end)
+  // int8 rows are short: ask for the row kRowsAhead8 on, a line per 64 weights (no fault past the end).
+  auto ask_ahead = [&](int64_t k) {
+    if constexpr (sizeof(W) == 1) {
       if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kRowsAhead8 * k_size + k), _MM_HINT_T0);
     }
+  };
+  auto chunk = [&](int64_t k, int chain) {
+    ask_ahead(k);
     __m256 wv = load8(w + k);
     if (gs != nullptr) wv = _mm256_mul_ps(wv, _mm256_set1_ps(scale_at(k)));
     acc[chain] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), wv, acc[chain]);
@@ -332,9 +336,7 @@ inline float row_dot(const float* x, const W* w, int64_t k_size, const float* gs
     // the same products as `chunk` makes, so the same sums. Q8_0 at one row, SmolLM2's decode
     // shapes from memory, 40 alternated pairs: 1.21-1.24x (per-chunk scales kept the core busy).
     for (; k + 8 * kChains8 <= k_size; k += 8 * kChains8) {
-      if constexpr (sizeof(W) == 1) {
-        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + kRowsAhead8 * k_size + k), _MM_HINT_T0);
-      }
+      ask_ahead(k);
       const __m256 s = _mm256_set1_ps(gs[k >> shift]);
       for (int c = 0; c < kChains8; ++c)
         acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * c), _mm256_mul_ps(load8(w + k + 8 * c), s), acc[c]);
