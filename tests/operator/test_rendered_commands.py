@@ -237,6 +237,35 @@ VARIANTS = {
 }
 
 
+# free_port binds a port and lets it go; with two test workers another process may take it before
+# the command binds it. Such a start is retried on fresh ports; any other failure stands.
+PORT_TAKEN = "Address already in use"
+START_ATTEMPTS = 3
+
+
+async def start_serving(containers: dict[str, dict[str, Any]], env: dict[str, str], key_env: dict[str, dict[str, str]],
+                        tmp_path: Path) -> tuple[dict[str, Running], dict]:
+    """Every pod's command started on free local ports, the backends serving (the router started too)."""
+    for attempt in range(START_ATTEMPTS):
+        commands, where = local_commands(containers)
+        running: dict[str, Running] = {}
+        try:
+            for role, command in commands.items():
+                log = tmp_path / f"{role}.log"
+                with open(log, "wb") as out:
+                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            env={**env, **key_env[role]}, start_new_session=True)
+                running[role] = Running(role, proc, log)
+            backends = {role: probe for role, probe in where["probes"].items() if role != "router"}
+            await wait_serving(running, backends, timeout=240)
+            return running, where
+        except BaseException as exc:
+            await asyncio.to_thread(stop_all, running)
+            if PORT_TAKEN not in str(exc) or attempt == START_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 async def test_every_rendered_pod_command_starts_and_serves(variant, sample, cluster, kubeconfig, tmp_path,
                                                            monkeypatch):
@@ -247,7 +276,6 @@ async def test_every_rendered_pod_command_starts_and_serves(variant, sample, clu
     containers = {role: pod["containers"][0] for role, pod in pods.items()}
     expected_roles = {"coordinator", "prefill", "decode", "router"} | ({"kvstore"} if VARIANTS[variant] else set())
     assert set(containers) == expected_roles
-    commands, where = local_commands(containers)
 
     # One fresh key for this deployment; this test's own clients (the KV store check) hold it too.
     key = generate_key()
@@ -257,14 +285,7 @@ async def test_every_rendered_pod_command_starts_and_serves(variant, sample, clu
     del env[ENV_KEY]  # the processes get the file only, as the pods do
     running: dict[str, Running] = {}
     try:
-        for role, command in commands.items():
-            log = tmp_path / f"{role}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**env, **key_env[role]},
-                                        start_new_session=True)
-            running[role] = Running(role, proc, log)
-        backends = {role: probe for role, probe in where["probes"].items() if role != "router"}
-        await wait_serving(running, backends, timeout=240)
+        running, where = await start_serving(containers, env, key_env, tmp_path)
         # As in a cluster, an engine enters its Service's EndpointSlice once its readiness probe passes.
         for role, host in ENGINE_HOSTS.items():
             await cluster.request("POST", SLICES, endpoint_slice(f"demo-{role}", host, where["engine_port"]))
