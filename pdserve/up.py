@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GGUF's Q8_0 weights so (CPU; see `pdserve serve --help`)")
     p.add_argument("--int8-activations", action="store_true",
                    help="passed to every engine: decode rows rounded to int8 too (needs int8 weights)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="passed to every engine: on CUDA, no decode steps replayed from captured CUDA graphs "
+                        "(see `pdserve serve --help`); nothing changes on CPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int,
@@ -199,6 +202,8 @@ def build_plan(args: argparse.Namespace, model: ModelSource) -> Plan:
                     "--coordinator-address", f"{LOCAL}:{stats_port}"]
             if args.int8_activations:
                 argv.append("--int8-activations")
+            if args.enforce_eager:
+                argv.append("--enforce-eager")
             if args.max_model_len is not None:
                 argv += ["--max-model-len", str(args.max_model_len)]
             if args.kv_cache_memory_bytes is not None:

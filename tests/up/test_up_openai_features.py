@@ -93,6 +93,19 @@ def test_plan_passes_the_tool_call_parser_to_every_engine_and_the_router(argv, e
     assert router_parser.parse_args(list(router.argv[1:])).tool_call_parser == (expected or default)
 
 
+@pytest.mark.parametrize("argv, expected", [(("--enforce-eager",), True), ((), False)])
+def test_plan_passes_enforce_eager_to_every_engine(argv, expected):
+    from pdserve.engine.server import cli as serve_cli
+
+    serve_parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(serve_parser)
+    plan = plan_for("--prefill", "1", "--decode", "2", *argv)
+    engines = [c for c in plan.components if c.name.startswith(("prefill-", "decode-"))]
+    assert len(engines) == 3
+    for engine in engines:
+        assert serve_parser.parse_args(list(engine.argv[1:])).enforce_eager is expected
+
+
 # --- the stack ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
