@@ -80,7 +80,7 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
     // the loads into the FMAs (each panel vector loaded once per row: 8 loads a step instead of 2),
     // and the 4-row tile, the last block of a 16-row decode batch, ran at half the 6-row tile's
     // rate on a Zen 3; with this, 16-row panel matmuls from memory ran 1.05x faster (30 alternated
-    // pairs, quartiles 1.02-1.10) and 1-8 and 64 rows level.
+    // pairs, quartiles 1.02-1.10), and 2-8 and 64 rows level.
     __asm__("" : "+x"(w0), "+x"(w1));
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {

@@ -138,8 +138,7 @@ inline Vec::T vexp(Vec::T x) {
 // Pin vectors to registers: an empty asm that claims to change them. With AVX2's 16 registers,
 // GCC 12 folds a vector that several FMAs reuse into each of them as a memory operand (one load
 // per use instead of one per vector), and the tile turns load-bound. A no-op on AVX-512, where
-// nothing was measured. Element by element through an index sequence: a loop over the array made
-// GCC keep the array on the stack and store every vector to it.
+// nothing was measured. Element by element, with indices known at compile time.
 inline void keep_in_register(Vec::T& x) {
 #if !defined(__AVX512F__)
   __asm__("" : "+x"(x));
