@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_simd.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PDSERVE_GEMM_ISA 512
@@ -76,12 +78,12 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
   for (int64_t k = 0; k < kc; ++k) {
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
     __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    // Keep the two panel vectors in registers. For tiles of 4 rows or fewer GCC 12 otherwise folds
-    // the loads into the FMAs (each panel vector loaded once per row: 8 loads a step instead of 2),
-    // and the 4-row tile, the last block of a 16-row decode batch, ran at half the 6-row tile's
-    // rate on a Zen 3; with this, 16-row panel matmuls from memory ran 1.05x faster (30 alternated
-    // pairs, quartiles 1.02-1.10), and 2-8 and 64 rows level.
-    __asm__("" : "+x"(w0), "+x"(w1));
+    // Kept in registers: for tiles of 4 rows or fewer GCC 12 otherwise loaded each panel vector once
+    // per row (8 loads a step instead of 2), and the 4-row tile, the last block of a 16-row decode
+    // batch, ran at half the 6-row tile's rate on a Zen 3; with this, 16-row panel matmuls from memory
+    // ran 1.05x faster (30 alternated pairs, quartiles 1.02-1.10), and 2-8 and 64 rows level.
+    pdserve_simd::keep_in_register(w0);
+    pdserve_simd::keep_in_register(w1);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
