@@ -302,12 +302,15 @@ def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool, nat
     The rule, from benchmarks/bench_precision.py and the measurements in issue 20: float32
     checkpoints stay float32 (exact, and never slower than a half type). Half checkpoints run in
     bfloat16 where AMX does bf16 matmuls: there they are several times faster than float32.
-    Without bf16 hardware (AVX2) bf16 is emulated, 3-7x slower: float32. With AVX512-BF16 alone
-    the CPU decides: on an Intel Xeon bf16 decoded 16 streams at 92 tok/s against float32's 110, on
-    an AMD EPYC (Zen 4) bf16's step matmuls ran 1.9-3.2x float32's speed; so there `timed()` (the
-    engine/dtype_probe.py verdict: bf16 faster at decode and prefill row counts?) settles it, and
-    without it float32 is kept. float16 never runs fast on CPUs. Other architectures (ARM) have no
-    cheap probe: bfloat16, as before.
+    Without bf16 hardware (AVX2) our kernels widen bf16 weights in registers: on a Zen 3 EPYC
+    (dtype_probe's timing, SmolLM2's shapes) bf16 matmuls ran 1.5-1.6x float32's speed at one row
+    and 1.1-1.2x at sixteen, but 0.93-0.95x at 256 (prefill), where the arithmetic is the same and
+    the widening is extra: float32, never the slower, stays (dtype bfloat16 gives the faster
+    decode). With AVX512-BF16 alone the CPU decides: on an Intel Xeon bf16 decoded 16 streams at
+    92 tok/s against float32's 110, on an AMD EPYC (Zen 4) bf16's step matmuls ran 1.9-3.2x
+    float32's speed; so there `timed()` (the engine/dtype_probe.py verdict: bf16 faster at decode
+    and prefill row counts?) settles it, and without it float32 is kept. float16 never runs fast
+    on CPUs. Other architectures (ARM) have no cheap probe: bfloat16, as before.
     """
     if checkpoint == torch.float32:
         return torch.float32, "float32 checkpoint"
@@ -316,7 +319,7 @@ def auto_cpu_dtype(checkpoint: torch.dtype, *, machine: str, amx_bf16: bool, nat
     if amx_bf16:
         return torch.bfloat16, "this CPU has AMX, whose bfloat16 matmuls beat float32"
     if not native_bf16:
-        return torch.float32, "this CPU has no bfloat16 hardware (emulated bf16 is slower than float32)"
+        return torch.float32, "this CPU has no bfloat16 hardware (bf16 prefill is no faster than float32)"
     if timed is None:
         return torch.float32, "AVX512-BF16 without AMX, not timed: float32 is never the slower"
     faster, why = timed()

@@ -85,12 +85,17 @@ def panels_supported() -> bool:
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] weight as [ceil(out / 16), in, 16]: each group of 16 output rows k-major, so
-    one 64-byte line holds the group's 16 weights at one k; rows past `out` are zero."""
+    one 64-byte line holds the group's 16 weights at one k; rows past `out` are zero. A bfloat16
+    group interleaves its halves (rows 0, 8, 1, 9, ... 7, 15): csrc/cpu_gemm_tile.h widens each
+    32-bit pair into rows j and j + 8 with one shift and one mask."""
     out_features, in_features = weight.shape
     count = -(-out_features // 16)
     padded = weight.new_zeros(count * 16, in_features)
     padded[:out_features] = weight
-    return padded.view(count, 16, in_features).transpose(1, 2).contiguous()
+    panels = padded.view(count, 16, in_features).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        panels = torch.stack((panels[..., :8], panels[..., 8:]), dim=-1).reshape(count, in_features, 16)
+    return panels.contiguous()
 
 
 def is_panels(packed: torch.Tensor) -> bool:
@@ -105,16 +110,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     if weight.dtype == torch.float32 and float_packing() == "panels":
         return to_panels(weight.detach())
+    if weight.dtype == torch.bfloat16 and float_packing() == "panels" and bf16_is_emulated():
+        return to_panels(weight.detach())  # widened in the tile: half the bytes of float32 to read
     if not packing_supported(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
 
 
 # CPUs without bf16 hardware (AVX2-only) run torch's bf16 matmuls 3-7x slower than fp32 ones once
-# x has more than a few rows. There the weight is widened to fp32 a slab at a time (the slab stays
-# in cache, the weight in memory stays bf16) and the product rounded back: the same fp32
-# accumulation torch's emulation does, so results match it to the last bit on >99.9% of elements.
-# With fewer rows the widening costs more than it saves.
+# x has more than a few rows. There bf16 weights go in panels (pack_weight), widened in the tile,
+# up to PANEL_MAX_ROWS rows; past it (long prefill chunks) the weight is widened to fp32 a slab at
+# a time (the slab stays in cache, the weight in memory stays bf16) for MKL's fp32 matmul and the
+# product rounded back: the same fp32 accumulation torch's emulation does, so results match it to
+# the last bit on >99.9% of elements. Without panels (another CPU kind) the same holds from
+# WIDEN_MIN_ROWS rows; with fewer the widening costs more than it saves.
 WIDEN_MIN_ROWS = 16
 WIDEN_SLAB_ROWS = 512
 
@@ -143,14 +152,16 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     """Which path `linear` takes for a float weight and `rows` rows of input: for a single row, the
     one linear_tuning measured fastest for this weight (`one_row`: "packed", the weight's prepacked
     layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
-    bfloat16 on AVX512-BF16); "panels" for a weight in panels at 2 to PANEL_MAX_ROWS rows;
-    "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16; else "torch" (F.linear). The one-call
-    decode step (decode_call) follows it too."""
+    bfloat16 on AVX512-BF16 or AVX2); "panels" for a weight in panels (float32, or bfloat16 on
+    AVX2) at 2 to PANEL_MAX_ROWS rows; "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16
+    on CPUs without bf16 arithmetic; else "torch" (F.linear). The one-call decode step
+    (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
     if packed is not None and is_panels(packed):
-        return "panels" if (rows > 1 or one_row == "packed") and rows <= PANEL_MAX_ROWS else "torch"
-    if packed is not None:
+        if (rows > 1 or one_row == "packed") and rows <= PANEL_MAX_ROWS:
+            return "panels"
+    elif packed is not None:
         low, high = PACKED_ROWS[weight.dtype]
         return "packed" if (rows == 1 and one_row == "packed") or low <= rows <= high else "torch"
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and rows >= WIDEN_MIN_ROWS and bf16_is_emulated():

@@ -29,8 +29,9 @@ BF16_LOGPROB_TOLERANCE = 0.1
 
 @pytest.mark.parametrize("pack, widen", [("1", None), ("0", False), ("0", True)])
 def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pack, widen):
-    """Prepacked oneDNN weights, plain bf16 matmuls, and bf16 weights widened to fp32 matmuls
-    (what CPUs without bf16 hardware use) all compute the model transformers computes."""
+    """Prepacked weights (oneDNN's, or on CPUs without bf16 hardware panels widened in our tile),
+    plain bf16 matmuls, and bf16 weights widened to fp32 matmuls (what CPUs without bf16 hardware
+    use past the panels' rows) all compute the model transformers computes."""
     monkeypatch.setenv("PDSERVE_PACK_WEIGHTS", pack)
     if widen is not None:
         monkeypatch.setattr(layers, "bf16_is_emulated", lambda: widen)

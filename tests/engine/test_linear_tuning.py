@@ -122,7 +122,8 @@ def test_the_float32_kernel_at_one_row_sums_every_product(out_features, in_featu
                                                              (1, 1536, 576), (3, 5, 31)])
 @pytest.mark.parametrize("serial", [False, True])
 def test_the_bfloat16_kernel_sums_in_float32_and_rounds_once(rows, out_features, in_features, serial):
-    """bfloat16 weights through our single-row kernel (AVX512-BF16): every output is the float32 sum
+    """bfloat16 weights through our single-row kernel (AVX512-BF16, or AVX2 widening each weight to
+    float32): every output is the float32 sum
     of the exact bf16 products, rounded to bf16 once; its summation order differs from oneDNN's, so
     an output may sit one bf16 step from the exactly rounded sum. Shapes cover the row tails (not a
     multiple of 32 columns) and the tile tails (not a multiple of 4 or 16 output rows). Without the

@@ -1,7 +1,9 @@
 """Float32 weights in panels (engine/model/layers.py's to_panels) multiplied by our kernel
 (csrc/cpu_panel_linear.cpp): the same product as F.linear for every shape a model has (partial
 panels, odd reductions, row counts off the tile's), each row independent of the batch around it,
-bad arguments refused, and the rule that picks panels or oneDNN's packing per CPU."""
+bad arguments refused, and the rule that picks panels or oneDNN's packing per CPU. bfloat16
+weights go in panels too where the CPU has no bf16 arithmetic (AVX2): widened in the tile, summed
+in float32, rounded to bfloat16 once."""
 
 from __future__ import annotations
 
@@ -55,10 +57,11 @@ def test_rows_of_x_may_sit_anywhere_in_memory():
                            torch.ops.pdserve_cpu.panel_linear(x.contiguous(), panels, 40))
 
 
-def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(dtype):
     """Each output is one FMA chain over k: the same bits alone, in any batch, on any thread count
     (a request's logits do not change with who else is being served)."""
-    weight, x = randn(200, 96, seed=6), randn(70, 96, seed=7)
+    weight, x = randn(200, 96, seed=6).to(dtype), randn(70, 96, seed=7).to(dtype)
     panels = layers.to_panels(weight)
     batch = torch.ops.pdserve_cpu.panel_linear(x, panels, 200)
     threads = torch.get_num_threads()
@@ -81,9 +84,11 @@ def test_empty_shapes():
 
 
 @pytest.mark.parametrize("x, panels, out_features, message", [
-    (randn(2, 8).double(), layers.to_panels(randn(20, 8)), 20, "x must be a 2-D float32"),
-    (randn(2, 2, 8), layers.to_panels(randn(20, 8)), 20, "x must be a 2-D float32"),
-    (randn(2, 8), randn(20, 8), 20, "panels must be a contiguous float32 tensor"),
+    (randn(2, 8).double(), layers.to_panels(randn(20, 8)), 20, "x must be a 2-D tensor of the panels' dtype"),
+    (randn(2, 8).double(), layers.to_panels(randn(20, 8).double()), 20, r"panels' dtype \(float32 or bfloat16\)"),
+    (randn(2, 8).bfloat16(), layers.to_panels(randn(20, 8)), 20, "x must be a 2-D tensor of the panels' dtype"),
+    (randn(2, 2, 8), layers.to_panels(randn(20, 8)), 20, "x must be a 2-D tensor of the panels' dtype"),
+    (randn(2, 8), randn(20, 8), 20, "panels must be a contiguous tensor"),
     (randn(2, 8), layers.to_panels(randn(20, 8)).transpose(0, 1), 20, "panels must be a contiguous"),
     (randn(2, 9), layers.to_panels(randn(20, 8)), 20, "x has 9 columns, the weight 8"),
     (randn(2, 8), layers.to_panels(randn(20, 8)), 33, "2 panels cannot hold 33 output features"),
@@ -141,8 +146,62 @@ def test_an_unknown_packing_is_an_error_not_a_silent_default(monkeypatch):
         layers.float_packing.cache_clear()
 
 
-def test_half_weights_never_go_in_panels(float_packing):
+def test_float16_weights_never_go_in_panels_and_bfloat16_only_without_bf16_arithmetic(float_packing):
     float_packing("panels")
-    for dtype in (torch.bfloat16, torch.float16):
-        packed = layers.pack_weight(randn(24, 8).to(dtype))
+    packed = layers.pack_weight(randn(24, 8).half())
+    assert packed is None or not layers.is_panels(packed)
+    packed = layers.pack_weight(randn(24, 8).bfloat16())
+    if layers.bf16_is_emulated():  # AVX2: half the bytes of float32 to read, widened in the tile
+        assert packed is not None and layers.is_panels(packed) and packed.dtype == torch.bfloat16
+    else:  # AVX512-BF16 or AMX: oneDNN's bf16 arithmetic
         assert packed is None or not layers.is_panels(packed)
+
+
+def test_bfloat16_panels_pair_each_row_with_the_one_8_further():
+    """At each k a bfloat16 panel holds rows 0, 8, 1, 9, ... 7, 15 of its group: one 32-bit word per
+    pair, which the AVX2 tile splits with one shift and one mask."""
+    weight = randn(37, 5).bfloat16()
+    panels = layers.to_panels(weight)
+    assert panels.shape == (3, 5, 16) and panels.dtype == torch.bfloat16 and panels.is_contiguous()
+    for row in range(37):
+        j = row % 16
+        slot = 2 * j if j < 8 else 2 * (j - 8) + 1
+        assert torch.equal(panels[row // 16, :, slot], weight[row])
+    assert torch.count_nonzero(panels[2].float().sum(0)) == 37 - 32
+
+
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 3), (17, 17), (100, 300), (768, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16, 70])
+def test_bfloat16_panels_sum_in_float32_and_round_once(out_features, in_features, rows):
+    """Every output is the float32 sum of the exact bf16 products, rounded to bf16 once: within one
+    bf16 step (plus float32's summation error, which matters where the sum cancels) of the exactly
+    rounded sum (our summation order is not torch's), and equal to it on nearly every element."""
+    weight = (randn(out_features, in_features, seed=11) / 7).bfloat16()
+    x = randn(rows, in_features, seed=12).bfloat16()
+    got = torch.ops.pdserve_cpu.panel_linear(x, layers.to_panels(weight), out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    rounded = (x.double() @ weight.double().T).to(torch.bfloat16).double()
+    step = rounded.abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 step (8 significant bits)
+    float32_error = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    assert ((got.double() - rounded).abs() <= step + float32_error).all()
+    assert (got.double() == rounded).float().mean() > 0.9  # a step away only next to a tie
+
+
+def test_layers_linear_takes_bfloat16_panels_up_to_the_limit_then_widens(float_packing):
+    if not layers.bf16_is_emulated():
+        pytest.skip("this CPU has bf16 arithmetic: bfloat16 weights take oneDNN's packing, not panels")
+    float_packing("panels")
+    weight, bias = randn(33, 20, seed=15).bfloat16(), randn(33, seed=16).bfloat16()
+    panels = layers.pack_weight(weight)
+    assert layers.is_panels(panels)
+    assert layers.linear_path(weight, panels, None, 2) == "panels"
+    assert layers.linear_path(weight, panels, None, layers.PANEL_MAX_ROWS) == "panels"
+    assert layers.linear_path(weight, panels, None, layers.PANEL_MAX_ROWS + 1) == "widened"
+    x = randn(2, 3, 20, seed=17).bfloat16()
+    got = layers.linear(x, weight, bias, panels)
+    want = layers.linear_widened(x, weight, bias)  # the same float32 products, rounded once
+    assert got.shape == (2, 3, 33) and got.dtype == torch.bfloat16
+    # Panels round the product, then the sum with the bias: two bf16 roundings, each within a step
+    # of the value it rounds (a step of the product can exceed one of the sum where the bias cancels it).
+    product = (x.double() @ weight.double().T).abs()
+    assert ((got.double() - want.double()).abs() <= (product + want.double().abs()) * 2.0 ** -7).all()

@@ -3,6 +3,12 @@
 // stored k-major (its 16 weights at reduction step k at panel[k * 16 .. k * 16 + 15]). Each x
 // value is broadcast and FMA'd into the 16 outputs at once; each output is one FMA chain over k,
 // in order, so a row's result never depends on the other rows of the batch.
+//
+// A panel holds float32 weights, or bfloat16 ones (uint16_t bits) that the tile widens to float32
+// as it loads them, so a bfloat16 model reads half the bytes on CPUs without bf16 arithmetic. A
+// bfloat16 panel pairs its columns: at each k the 32-bit word j holds column j in its low half and
+// column j + 8 in its high half (layers.py's `to_panels`), so an AVX2 tile widens its 16 weights with
+// one shift (columns 0-7) and one mask (8-15) of a single load.
 
 #pragma once
 
@@ -26,6 +32,23 @@ namespace pdserve_gemm {
 
 constexpr int64_t kPanel = 16;  // output columns per panel: one AVX-512 vector, two AVX2 ones
 
+// Column j of a bfloat16 panel row sits at this index of the row's 16 (see the header comment).
+constexpr int64_t bf16_slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
+
+// Keeps a parameter out of template argument deduction (std::type_identity is C++20).
+template <typename T>
+struct same {
+  using type = T;
+};
+
+inline float weight_at(const float* row, int64_t j) { return row[j]; }
+inline float weight_at(const uint16_t* row, int64_t j) {
+  const uint32_t bits = static_cast<uint32_t>(row[bf16_slot(j)]) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // The tile adds x[0..MR) · panel over k in [0, kc) into out (or starts from zero when `first`),
 // for the first `cols` of the panel's 16 columns, then scales column j by row_scale[j] if given.
 // Where `prefetch` is set, the line at prefetch + k * 16 is fetched at step k: the next panel,
@@ -37,16 +60,23 @@ constexpr int64_t kPanel = 16;  // output columns per panel: one AVX-512 vector,
 #if PDSERVE_GEMM_ISA == 512
 constexpr int kRowsMax = 12;  // 12 accumulators + the panel vector + broadcasts: within 32 registers
 
-template <int MR>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const float* prefetch) {
+inline __m512 load_panel(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_panel(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512 paired = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), paired);
+}
+
+template <int MR, typename W = float>
+inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const W* prefetch) {
   const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, out + i * ldo);
   for (int64_t k = 0; k < kc; ++k) {
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
-    const __m512 wv = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 wv = load_panel(panel + k * kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, acc[i]);
   }
@@ -65,9 +95,19 @@ inline __m256i lanes_below(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int MR>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const float* prefetch) {
+inline void load_panel(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+inline void load_panel(const uint16_t* p, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+template <int MR, typename W = float>
+inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const W* prefetch) {
   const __m256i m0 = lanes_below(cols), m1 = lanes_below(cols - 8);
   __m256 acc[MR][2];
 #pragma GCC unroll 16
@@ -77,7 +117,8 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
   }
   for (int64_t k = 0; k < kc; ++k) {
     if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
-    __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    __m256 w0, w1;
+    load_panel(panel + k * kPanel, w0, w1);
     // Kept in registers: for tiles of 4 rows or fewer GCC 12 otherwise loaded each panel vector once
     // per row (8 loads a step instead of 2), and the 4-row tile, the last block of a 16-row decode
     // batch, ran at half the 6-row tile's rate on a Zen 3; with this, 16-row panel matmuls from memory
@@ -108,25 +149,26 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
 #else
 constexpr int kRowsMax = 4;
 
-template <int MR>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const float* /*prefetch*/) {
+template <int MR, typename W = float>
+inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
+                  bool first, const float* row_scale, const W* /*prefetch*/) {
   for (int i = 0; i < MR; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : out[i * ldo + j];
-      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[i * ldx + k], panel[k * kPanel + j], acc);
+      for (int64_t k = 0; k < kc; ++k) acc = std::fma(x[i * ldx + k], weight_at(panel + k * kPanel, j), acc);
       out[i * ldo + j] = row_scale != nullptr ? acc * row_scale[j] : acc;
     }
 }
 #endif
 
 // `micro<MR>` for MR chosen at run time (the last rows of a block).
-template <int MR = kRowsMax>
-inline void micro_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo,
-                       int64_t cols, bool first, const float* row_scale, const float* prefetch = nullptr) {
+template <int MR = kRowsMax, typename W = float>
+inline void micro_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo,
+                       int64_t cols, bool first, const float* row_scale,
+                       const typename same<W>::type* prefetch = nullptr) {
   if constexpr (MR > 0) {
-    if (rows == MR) return micro<MR>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
-    micro_rows<MR - 1>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
+    if (rows == MR) return micro<MR, W>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
+    micro_rows<MR - 1, W>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
   }
 }
 

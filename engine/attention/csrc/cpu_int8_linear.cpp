@@ -5,10 +5,11 @@
 //   rounded (weight-only quantization). With groups, each weight is widened and multiplied by its
 //   scale before the FMA: that product is exactly the dequantized float32 weight, so the result
 //   equals `float_linear` on the dequantized weight to the bit;
-// - `float_linear`: a float32 weight (AVX2), or a bfloat16 one where the CPU has AVX512-BF16, for
-//   one row where this streams the weight faster than MKL's gemv or oneDNN's packed layout
+// - `float_linear`: a float32 weight (AVX2), or a bfloat16 one (AVX512-BF16, or AVX2 widening it),
+//   for one row where this streams the weight faster than MKL's gemv or oneDNN's packed layout
 //   (engine/model/linear_tuning.py times them per shape). bfloat16 products are summed in float32
-//   (vdpbf16ps) and the result rounded to bfloat16 once, as oneDNN does, in another order.
+//   (vdpbf16ps, or FMAs on the widened values) and the result rounded to bfloat16 once, as oneDNN
+//   does, in another order.
 //
 // Each task takes a block of output rows; within it, a tile of NR weight rows times MR rows of x
 // is accumulated in AVX2 registers over the whole reduction, so the weight block is read from
@@ -52,6 +53,12 @@ inline __m256 load8(const int8_t* p) {
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// 8 bfloat16 weights widened to 8 floats (the high halves of float32).
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
 #endif
 
 // int8 rows are short (a 576-wide row is 9 cache lines), and at one to a few rows of x the kernel
@@ -258,6 +265,9 @@ constexpr int kChains = 4;
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // The scales of weights k..k+16 of a row: each 8 share one (groups are whole multiples of 8).
@@ -603,9 +613,9 @@ inline float bf16_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t k_
 
 // One row of x at a time: bfloat16 serves decode steps of one request only (linear_path).
 void bf16_linear(const at::Tensor& xc, const at::Tensor& weight, at::Tensor& out, bool serial) {
-#if PDSERVE_BF16_AVX512
   const int64_t n_size = weight.size(0), k_size = weight.size(1);
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+#if PDSERVE_BF16_AVX512
   for (int64_t m = 0; m < xc.size(0); ++m) {
     const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>() + m * xc.stride(0);
     c10::BFloat16* op = out.data_ptr<c10::BFloat16>() + m * n_size;
@@ -613,8 +623,21 @@ void bf16_linear(const at::Tensor& xc, const at::Tensor& weight, at::Tensor& out
       for (int64_t n = n0; n < n1; ++n) op[n] = c10::BFloat16(bf16_row(xp, wp + n * k_size, k_size));  // nearest even
     });
   }
+#elif PDSERVE_ONE_ROW
+  // No bf16 arithmetic (AVX2): x and each weight are widened to float32 (exactly) and multiplied in
+  // row_dot's float32 chains; the sum is rounded to bfloat16 once. Half of float32's bytes to read.
+  const at::Tensor xf = xc.to(at::kFloat);
+  for (int64_t m = 0; m < xf.size(0); ++m) {
+    const float* xp = xf.data_ptr<float>() + m * xf.stride(0);
+    c10::BFloat16* op = out.data_ptr<c10::BFloat16>() + m * n_size;
+    over_row_blocks(n_size, serial, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        op[n] = c10::BFloat16(row_dot(xp, wp + n * k_size, k_size, static_cast<const float*>(nullptr), 1));
+    });
+  }
 #else
-  TORCH_CHECK(false, "float_linear: bfloat16 needs a CPU with AVX512-BF16 (this build has none)");
+  (void)n_size, (void)k_size, (void)wp;
+  TORCH_CHECK(false, "float_linear: bfloat16 needs a CPU with AVX512-BF16 or AVX2 (this build has neither)");
 #endif
 }
 
@@ -637,7 +660,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, bool seri
 
 bool int8_linear_vectorized() { return PDSERVE_INT8_AVX2; }
 
-bool bf16_linear_available() { return PDSERVE_BF16_AVX512; }
+bool bf16_linear_available() { return PDSERVE_BF16_AVX512 || PDSERVE_ONE_ROW; }
 
 }  // namespace
 

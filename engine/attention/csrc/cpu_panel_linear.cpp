@@ -1,4 +1,4 @@
-// y = x Wᵀ for float32 weights stored in panels: W's output rows in groups of 16, each group
+// y = x Wᵀ for float32 (or bfloat16) weights stored in panels: W's output rows in groups of 16, each group
 // k-major (engine/model/layers.py's `to_panels`: panels[p][k][j] = W[16p + j][k], zero past the
 // last row). The multiply is cpu_gemm_tile.h's register tile, each panel streamed from memory once
 // per call whatever the number of rows, while the next panel is prefetched.
@@ -27,32 +27,17 @@ using pdserve_gemm::kPanel;
 using pdserve_gemm::kRowsMax;
 using pdserve_gemm::micro_rows;
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "panel_linear: x must be a 2-D float32 tensor");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(2) == kPanel,
-              "panel_linear: panels must be a contiguous float32 tensor [panels, in_features, 16]");
-  TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x has ", x.size(1), " columns, the weight ",
-              panels.size(1));
-  const int64_t count = panels.size(0);
-  TORCH_CHECK(out_features > (count - 1) * kPanel && out_features <= count * kPanel, "panel_linear: ", count,
-              " panels cannot hold ", out_features, " output features");
-  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out_features;
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor out = at::empty({m_size, n_size}, x.options());
-  if (m_size == 0 || n_size == 0) return out;
-  if (k_size == 0) return out.zero_();
-  const float* xp = xc.data_ptr<float>();
-  const int64_t ldx = xc.stride(0);
-  const float* wp = panels.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// out[m, n] = x[m] · W[n] for every row m, the panels split over threads.
+template <typename W>
+void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int64_t m_size, int64_t k_size,
+                  int64_t n_size, float* op) {
   const int64_t panel_size = k_size * kPanel;
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = wp + p * panel_size;
+      const W* panel = wp + p * panel_size;
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, n_size - n0);
       // The first block of rows fetches the next panel of this task, one line per k.
-      const float* next = p + 1 < p1 ? panel + panel_size : nullptr;
+      const W* next = p + 1 < p1 ? panel + panel_size : nullptr;
       for (int64_t m = 0; m < m_size; m += kRowsMax) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsMax, m_size - m));
         micro_rows(rows, xp + m * ldx, ldx, panel, k_size, op + m * n_size + n0, n_size, cols, true, nullptr,
@@ -60,7 +45,36 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
       }
     }
   });
-  return out;
+}
+
+// float32 panels take float32 x; bfloat16 panels take bfloat16 x, widened to float32 here (exactly),
+// multiplied in float32 and rounded back to bfloat16 once: what torch's bf16 matmul does on CPUs
+// without bf16 arithmetic, with its sums in our order.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features) {
+  const auto dtype = panels.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "panel_linear: x must be a 2-D tensor of the panels' dtype (float32 or bfloat16)");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
+              "panel_linear: panels must be a contiguous tensor [panels, in_features, 16]");
+  TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x has ", x.size(1), " columns, the weight ",
+              panels.size(1));
+  const int64_t count = panels.size(0);
+  TORCH_CHECK(out_features > (count - 1) * kPanel && out_features <= count * kPanel, "panel_linear: ", count,
+              " panels cannot hold ", out_features, " output features");
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out_features;
+  const at::Tensor xc = dtype == at::kBFloat16 ? x.to(at::kFloat) : (x.stride(1) == 1 ? x : x.contiguous());
+  at::Tensor out = at::empty({m_size, n_size}, xc.options());
+  if (m_size == 0 || n_size == 0) return out.to(dtype);
+  if (k_size == 0) return out.zero_().to(dtype);
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (dtype == at::kFloat) {
+    panels_times(xp, xc.stride(0), panels.data_ptr<float>(), count, m_size, k_size, n_size, op);
+    return out;
+  }
+  const auto* bits = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+  panels_times(xp, xc.stride(0), bits, count, m_size, k_size, n_size, op);
+  return out.to(at::kBFloat16);  // round to nearest even
 }
 
 }  // namespace
