@@ -140,6 +140,16 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
       acc[i][1] = _mm256_mul_ps(acc[i][1], s1);
     }
   }
+  // Plain stores for a whole panel: masked ones (vmaskmovps) are slow on AMD's Zen 3, and plain ones
+  // ran 16-row panel matmuls 1.08-1.10x faster there (64-256 rows 1.04x, float32 and bfloat16 alike).
+  if (cols == kPanel) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_ps(out + i * ldo, acc[i][0]);
+      _mm256_storeu_ps(out + i * ldo + 8, acc[i][1]);
+    }
+    return;
+  }
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
     _mm256_maskstore_ps(out + i * ldo, m0, acc[i][0]);
