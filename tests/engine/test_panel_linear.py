@@ -47,11 +47,12 @@ def test_the_product_is_f_linear_s(out_features, in_features, rows):
     assert torch.all((got.double() - exact).abs() <= bound + 1e-30)
 
 
-def test_rows_of_x_may_sit_anywhere_in_memory():
-    weight = randn(40, 24, seed=3)
-    wide = randn(9, 50, seed=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_x_may_sit_anywhere_in_memory(dtype):
+    weight = randn(40, 24, seed=3).to(dtype)
+    wide = randn(9, 50, seed=4).to(dtype)
     panels = layers.to_panels(weight)
-    for x in (wide[:, 3:27], randn(24, 9, seed=5).T):  # rows apart in memory; a transposed view
+    for x in (wide[:, 3:27], randn(24, 9, seed=5).to(dtype).T):  # rows apart in memory; a transposed view
         assert not x.is_contiguous()
         assert torch.equal(torch.ops.pdserve_cpu.panel_linear(x, panels, 40),
                            torch.ops.pdserve_cpu.panel_linear(x.contiguous(), panels, 40))

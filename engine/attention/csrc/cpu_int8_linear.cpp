@@ -626,7 +626,7 @@ void bf16_linear(const at::Tensor& xc, const at::Tensor& weight, at::Tensor& out
 #elif PDSERVE_ONE_ROW
   // No bf16 arithmetic (AVX2): x and each weight are widened to float32 (exactly) and multiplied in
   // row_dot's float32 chains; the sum is rounded to bfloat16 once. Half of float32's bytes to read.
-  const at::Tensor xf = xc.to(at::kFloat);
+  const at::Tensor xf = xc.to(at::kFloat).contiguous();
   for (int64_t m = 0; m < xf.size(0); ++m) {
     const float* xp = xf.data_ptr<float>() + m * xf.stride(0);
     c10::BFloat16* op = out.data_ptr<c10::BFloat16>() + m * n_size;

@@ -62,7 +62,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   TORCH_CHECK(out_features > (count - 1) * kPanel && out_features <= count * kPanel, "panel_linear: ", count,
               " panels cannot hold ", out_features, " output features");
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out_features;
-  const at::Tensor xc = dtype == at::kBFloat16 ? x.to(at::kFloat) : (x.stride(1) == 1 ? x : x.contiguous());
+  // Rows of k-contiguous floats: .to keeps a transposed x transposed, so the widened copy is made contiguous.
+  const at::Tensor xc =
+      dtype == at::kBFloat16 ? x.to(at::kFloat).contiguous() : (x.stride(1) == 1 ? x : x.contiguous());
   at::Tensor out = at::empty({m_size, n_size}, xc.options());
   if (m_size == 0 || n_size == 0) return out.to(dtype);
   if (k_size == 0) return out.zero_().to(dtype);
