@@ -108,10 +108,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     where neither is available."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and float_packing() == "panels":
+    # bfloat16 goes in panels where the CPU has no bf16 arithmetic: widened in the tile, half the bytes.
+    in_panels = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and bf16_is_emulated())
+    if in_panels and float_packing() == "panels":
         return to_panels(weight.detach())
-    if weight.dtype == torch.bfloat16 and float_packing() == "panels" and bf16_is_emulated():
-        return to_panels(weight.detach())  # widened in the tile: half the bytes of float32 to read
     if not packing_supported(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)

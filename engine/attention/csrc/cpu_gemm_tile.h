@@ -41,6 +41,13 @@ struct same {
   using type = T;
 };
 
+// Whether step k of a panel begins a 64-byte line: every step for float32, every other for bfloat16,
+// so the next panel is fetched once per line.
+template <typename W>
+constexpr bool starts_line(int64_t k) {
+  return (k * kPanel * static_cast<int64_t>(sizeof(W))) % 64 == 0;
+}
+
 inline float weight_at(const float* row, int64_t j) { return row[j]; }
 inline float weight_at(const uint16_t* row, int64_t j) {
   const uint32_t bits = static_cast<uint32_t>(row[bf16_slot(j)]) << 16;
@@ -75,7 +82,8 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, out + i * ldo);
   for (int64_t k = 0; k < kc; ++k) {
-    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    if (prefetch != nullptr && starts_line<W>(k))
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
     const __m512 wv = load_panel(panel + k * kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, acc[i]);
@@ -125,7 +133,8 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if (prefetch != nullptr) _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    if (prefetch != nullptr && starts_line<W>(k))
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
     __m256 w0, w1;
     load_panel(panel + k * kPanel, w0, w1);
     // Kept in registers: for tiles of 4 rows or fewer GCC 12 otherwise loaded each panel vector once

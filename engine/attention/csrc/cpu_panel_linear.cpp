@@ -1,7 +1,8 @@
-// y = x Wᵀ for float32 (or bfloat16) weights stored in panels: W's output rows in groups of 16, each group
-// k-major (engine/model/layers.py's `to_panels`: panels[p][k][j] = W[16p + j][k], zero past the
-// last row). The multiply is cpu_gemm_tile.h's register tile, each panel streamed from memory once
-// per call whatever the number of rows, while the next panel is prefetched.
+// y = x Wᵀ for float32 (or bfloat16) weights stored in panels: W's output rows in groups of 16, each
+// group k-major (engine/model/layers.py's `to_panels`: panels[p][k][j] = W[16p + j][k], zero past the
+// last row; a bfloat16 group pairs rows j and j + 8, see cpu_gemm_tile.h). The multiply is
+// cpu_gemm_tile.h's register tile, each panel streamed from memory once per call whatever the
+// number of rows, while the next panel is prefetched.
 //
 // Why our own: on an AVX2 EPYC (Zen 3), with a decode step's weights coming from memory, oneDNN's
 // packed float32 matmul ran 66-80 GFLOP/s at 16 rows, where it does 107 on weights in cache: it
