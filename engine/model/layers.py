@@ -60,8 +60,9 @@ def packing_supported(dtype: torch.dtype) -> bool:
 # weights coming from memory (benchmarks/bench_kernels.py's matmul rows): panels 1.1-1.5x oneDNN's
 # throughput from 1 to 64 rows and level at 128; 1.3-4.5x F.linear's up to 128 rows, level with it
 # at 512, 0.96x at 1024 and 0.95x at 2048: past PANEL_MAX_ROWS F.linear takes over. AVX-512 CPUs
-# keep oneDNN, which was measured there (0.64 of the roofline at 16 rows on a Zen 4) while panels
-# were not. PDSERVE_FLOAT_PACKING=panels or =onednn overrides the rule, to measure or to compare.
+# keep oneDNN (0.64 of the roofline at 16 rows on a Zen 4): on an Intel Xeon with AVX-512, whole
+# decode steps in panels ran 0.98x oneDNN's at batch 1, 0.90-1.05x at 16 and 0.73-0.78x at 64
+# (README, the rejected rows). PDSERVE_FLOAT_PACKING=panels or =onednn overrides the rule.
 FLOAT_PACKINGS = ("panels", "onednn")
 PANEL_MAX_ROWS = 512
 
