@@ -85,10 +85,21 @@ def test_paged_attention_matches_definition_fp32(case, backend):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("query_lens, context_lens", [([1] * 6, [7, 16, 30, 50, 1, 90]), ([1, 1, 90, 33], [7, 16, 0, 70])])
-def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens):
+def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens, amx, monkeypatch):
+    """Both prefill paths (our kernel; SDPA, which bfloat16 takes on CPUs with AMX) against the definition."""
     assert cpu_kernels.available()
+    monkeypatch.setattr(cpu_attention, "_amx_bf16", lambda: amx)
+    sdpa_calls = []
+    sdpa = torch_paged.F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        sdpa_calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", counted)
     query, kc, vc, meta = make_case(query_lens, context_lens, 8, 2, 64, 16, dtype, seed=3)
     scale = 64 ** -0.5
     expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(), meta.seq_lens_np.tolist(),
@@ -97,6 +108,15 @@ def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens)
     got = cpu_attention.paged_attention(query, kc, vc, meta, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    prefills = sum(1 for q in query_lens if q > 1)
+    assert len(sdpa_calls) == (prefills if amx and dtype == torch.bfloat16 else 0)
+
+
+def test_prefills_take_sdpa_only_in_bfloat16_on_amx():
+    assert cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=True)
+    assert not cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=False)
+    assert not cpu_attention.prefill_through_sdpa(torch.float32, amx_bf16=True)  # our kernel is faster there
+    assert not cpu_attention.prefill_through_sdpa(torch.float16, amx_bf16=True)
 
 
 def test_write_kv_places_tokens_at_their_slots():
