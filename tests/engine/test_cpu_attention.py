@@ -112,11 +112,37 @@ def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens,
     assert len(sdpa_calls) == (prefills if amx and dtype == torch.bfloat16 else 0)
 
 
+def test_a_step_with_a_chunk_mask_past_the_limit_keeps_our_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_amx_bf16", lambda: True)
+    calls = []
+    sdpa = torch_paged.F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", counted)
+    query, kc, vc, meta = make_case([1, 90, 33], [7, 0, 70], 8, 2, 64, 16, torch.bfloat16, seed=4)
+    meta.backend_plan = cpu_attention.plan(meta)
+    cpu_attention.paged_attention(query, kc, vc, meta, 64 ** -0.5)
+    assert len(calls) == 2  # both prefills: the 33-token chunk's mask (33 x 103) is within the limit
+    monkeypatch.setattr(cpu_attention, "SDPA_MASK_MAX_ELEMENTS", 33 * 103 - 1)
+    expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(),
+                                                 meta.seq_lens_np.tolist(), meta.block_tables, 64 ** -0.5)
+    got = cpu_attention.paged_attention(query, kc, vc, meta, 64 ** -0.5)
+    assert len(calls) == 2  # no more: the whole step went to our kernel
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_prefills_take_sdpa_only_in_bfloat16_on_amx():
     assert cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=True)
     assert not cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=False)
     assert not cpu_attention.prefill_through_sdpa(torch.float32, amx_bf16=True)  # our kernel is faster there
     assert not cpu_attention.prefill_through_sdpa(torch.float16, amx_bf16=True)
+    # a chunk after many cached tokens: SDPA would widen its boolean mask to floats
+    limit = cpu_attention.SDPA_MASK_MAX_ELEMENTS
+    assert cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=True, mask_elements=limit)
+    assert not cpu_attention.prefill_through_sdpa(torch.bfloat16, amx_bf16=True, mask_elements=limit + 1)
 
 
 def test_write_kv_places_tokens_at_their_slots():
