@@ -85,21 +85,27 @@ def test_paged_attention_matches_definition_fp32(case, backend):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("query_lens, context_lens", [([1] * 6, [7, 16, 30, 50, 1, 90]), ([1, 1, 90, 33], [7, 16, 0, 70])])
-def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens, amx, monkeypatch):
-    """Both prefill paths (our kernel; SDPA, which bfloat16 takes on CPUs with AMX) against the definition."""
-    assert cpu_kernels.available()
-    monkeypatch.setattr(cpu_attention, "_amx_bf16", lambda: amx)
-    sdpa_calls = []
+@pytest.fixture
+def sdpa_calls(monkeypatch) -> list[int]:
+    """One entry per call of torch's SDPA from the attention paths, for this test."""
+    calls: list[int] = []
     sdpa = torch_paged.F.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
-        sdpa_calls.append(1)
+        calls.append(1)
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("query_lens, context_lens", [([1] * 6, [7, 16, 30, 50, 1, 90]), ([1, 1, 90, 33], [7, 16, 0, 70])])
+def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens, amx, monkeypatch, sdpa_calls):
+    """Both prefill paths (our kernel; SDPA, which bfloat16 takes on CPUs with AMX) against the definition."""
+    assert cpu_kernels.available()
+    monkeypatch.setattr(cpu_attention, "_amx_bf16", lambda: amx)
     query, kc, vc, meta = make_case(query_lens, context_lens, 8, 2, 64, 16, dtype, seed=3)
     scale = 64 ** -0.5
     expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(), meta.seq_lens_np.tolist(),
@@ -112,25 +118,17 @@ def test_cpu_kernel_low_precision_close_to_fp32(dtype, query_lens, context_lens,
     assert len(sdpa_calls) == (prefills if amx and dtype == torch.bfloat16 else 0)
 
 
-def test_a_step_with_a_chunk_mask_past_the_limit_keeps_our_kernel(monkeypatch):
+def test_a_step_with_a_chunk_mask_past_the_limit_keeps_our_kernel(monkeypatch, sdpa_calls):
     monkeypatch.setattr(cpu_attention, "_amx_bf16", lambda: True)
-    calls = []
-    sdpa = torch_paged.F.scaled_dot_product_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", counted)
     query, kc, vc, meta = make_case([1, 90, 33], [7, 0, 70], 8, 2, 64, 16, torch.bfloat16, seed=4)
     meta.backend_plan = cpu_attention.plan(meta)
     cpu_attention.paged_attention(query, kc, vc, meta, 64 ** -0.5)
-    assert len(calls) == 2  # both prefills: the 33-token chunk's mask (33 x 103) is within the limit
+    assert len(sdpa_calls) == 2  # both prefills: the 33-token chunk's mask (33 x 103) is within the limit
     monkeypatch.setattr(cpu_attention, "SDPA_MASK_MAX_ELEMENTS", 33 * 103 - 1)
     expected = torch_paged.naive_paged_attention(query, kc, vc, meta.query_start_loc_np.tolist(),
                                                  meta.seq_lens_np.tolist(), meta.block_tables, 64 ** -0.5)
     got = cpu_attention.paged_attention(query, kc, vc, meta, 64 ** -0.5)
-    assert len(calls) == 2  # no more: the whole step went to our kernel
+    assert len(sdpa_calls) == 2  # no more: the whole step went to our kernel
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
