@@ -11,7 +11,9 @@ Then the float32 matmuls of one decode step of the benchmark model (its 12 layer
 lm_head, weights read from memory as in a real step) three ways: weights in panels (our kernel,
 csrc/cpu_panel_linear.cpp), oneDNN's packed layout, and F.linear (MKL), at 1 to 1024 rows; and
 whole decode steps (batch 1, 16, 64) of that model loaded twice in one process, once with each
-float32 packing (layers.float_packing), the step kinds alternated between the two.
+float32 packing (layers.float_packing), the step kinds alternated between the two. Where the CPU
+has AMX, the same in bfloat16: weights in AMX tiles (csrc/cpu_amx_linear.cpp) against oneDNN's
+packing and F.linear, with the GB/s the weights stream at, and whole steps with each bf16 packing.
 Last, whether torch.compile would pay: the MLP half of a layer as the engine runs it against
 inductor's compile of the reference expression (static shapes, frozen weights) at 1/16/64 rows,
 with the one-time compile cost.
@@ -147,8 +149,14 @@ def run_compile(dtype: torch.dtype, token_counts: list[int], rounds: int, min_s:
     return rows
 
 
-def run_matmuls(row_counts: list[int], rounds: int) -> list[dict]:
-    """ms per decode step's float32 matmuls, per layout, alternated round by round (best of each)."""
+# Our layout per weight dtype: float32 in panels, bfloat16 in AMX tiles; each against oneDNN's packing.
+OUR_LAYOUT = {torch.float32: "panels", torch.bfloat16: "amx"}
+
+
+def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """ms per decode step's matmuls in `dtype`, per layout, alternated round by round: float32 the
+    best of each (weights in panels, oneDNN's, F.linear); bfloat16 the median (AMX tiles, oneDNN's,
+    F.linear), with the GB/s the weights stream at and a plain sum's read rate beside them."""
     import torch.nn.functional as F
 
     from pdserve.engine.model import layers
@@ -158,46 +166,62 @@ def run_matmuls(row_counts: list[int], rounds: int) -> list[dict]:
                  (hidden, inter)]
     shapes = per_layer * 12 + [(32000, hidden)]
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out_f, in_f, generator=gen) * 0.02 for out_f, in_f in shapes]
+    weights = [(torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype) for out_f, in_f in shapes]
     ways = {"F.linear": lambda x, w, i: F.linear(x, w)}
-    if layers.panels_supported():
+    if dtype == torch.float32 and layers.panels_supported():
         panels = [layers.to_panels(w) for w in weights]
         ways["panels"] = lambda x, w, i: torch.ops.pdserve_cpu.panel_linear(x, panels[i], w.shape[0])
-    if layers.packing_supported(torch.float32):
+    if dtype == torch.bfloat16 and layers.amx_supported():
+        tiles = [layers.to_amx_tiles(w) for w in weights]
+        ways["amx"] = lambda x, w, i: torch.ops.pdserve_cpu.amx_linear(x, tiles[i], w.shape[0])
+    if layers.packing_supported(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+    streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
+    if dtype != torch.float32:
+        ways["sum"] = lambda x, w, i: streamed.sum() if i == 0 else None
+    ours = OUR_LAYOUT[dtype]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    pick = min if dtype == torch.float32 else statistics.median
     rows = []
     for count in row_counts:
-        xs = {in_f: torch.randn(count, in_f, generator=gen) for _, in_f in shapes}
+        xs = {in_f: torch.randn(count, in_f, generator=gen).to(dtype) for _, in_f in shapes}
         # oneDNN's packed matmul is measured only where the engine uses it (layers.PACKED_ROWS):
         # far past it, at 1024 rows, it has crashed in this torch.
-        high = layers.PACKED_ROWS[torch.float32][1]
+        high = layers.PACKED_ROWS[dtype][1]
         timed = {name: fn for name, fn in ways.items() if name != "onednn" or count <= high}
 
         def step(fn) -> None:
             for i, w in enumerate(weights):
                 fn(xs[w.shape[1]], w, i)
 
-        best = {name: float("inf") for name in timed}
-        for _ in range(rounds + 1):  # the first round warms every way up (oneDNN builds primitives)
+        samples: dict[str, list[float]] = {name: [] for name in timed}
+        for round_ in range(rounds + 1):  # the first round warms every way up (oneDNN builds primitives)
             for name, fn in timed.items():
                 began = time.perf_counter()
                 step(fn)
-                best[name] = min(best[name], time.perf_counter() - began)
+                if round_:
+                    samples[name].append(time.perf_counter() - began)
+        best = {name: pick(t) for name, t in samples.items()}
         flops = 2 * count * sum(o * i for o, i in shapes)
-        row = {"rows": count, **{f"{name}_ms": t * 1e3 for name, t in best.items()},
-               **{f"{name}_gflops": flops / t / 1e9 for name, t in best.items()}}
-        if "panels" in best:
-            row["panels_vs_flinear"] = best["F.linear"] / best["panels"]
+        row = {"rows": count, **{f"{name}_ms": t * 1e3 for name, t in best.items() if name != "sum"},
+               **{f"{name}_gflops": flops / t / 1e9 for name, t in best.items() if name != "sum"}}
+        if dtype != torch.float32:
+            row.update({f"{name}_gb_s": (streamed.numel() * 4 if name == "sum" else weight_bytes) / t / 1e9
+                        for name, t in best.items()})
+        if ours in best:
+            row[f"{ours}_vs_flinear"] = best["F.linear"] / best[ours]
             if "onednn" in best:
-                row["panels_vs_onednn"] = best["onednn"] / best["panels"]
+                row[f"{ours}_vs_onednn"] = best["onednn"] / best[ours]
         rows.append(row)
     return rows
 
 
-def run_packing_steps(rounds: int) -> list[dict]:
-    """ms per decode step (bench_offline's step kinds) with weights in panels and in oneDNN's
-    layout: two engines on the same checkpoint in this process, alternated, the best of each."""
+def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
+    """ms per step (bench_offline's decode kinds; prefill too in bfloat16) with weights in our
+    layout (float32: panels, bfloat16: AMX tiles) and in oneDNN's: two engines on the same
+    checkpoint in this process, alternated; float32 the best of each, bfloat16 the medians and the
+    median of the paired ratios."""
     import os
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -207,34 +231,52 @@ def run_packing_steps(rounds: int) -> list[dict]:
     from pdserve.engine import LLM
     from pdserve.engine.model import layers
 
-    if not (layers.panels_supported() and layers.packing_supported(torch.float32)):
+    if dtype == "float32":
+        variable, packings = "PDSERVE_FLOAT_PACKING", layers.FLOAT_PACKINGS
+        usable = layers.panels_supported() and layers.packing_supported(torch.float32)
+        kinds = [k for k in step_profile.DEFAULT_KINDS if k.name.startswith("decode")]
+    else:
+        variable, packings = "PDSERVE_BF16_PACKING", layers.BF16_PACKINGS
+        usable = layers.amx_supported() and layers.packing_supported(torch.bfloat16)
+        kinds = list(step_profile.DEFAULT_KINDS)
+    if not usable:
         return []
-    kinds = [k for k in step_profile.DEFAULT_KINDS if k.name.startswith("decode")]
-    before = os.environ.get("PDSERVE_FLOAT_PACKING")
+    ours = packings[0]
+    before = os.environ.get(variable)
     engines = {}
     try:
-        for packing in layers.FLOAT_PACKINGS:
-            os.environ["PDSERVE_FLOAT_PACKING"] = packing  # read when the weights are packed, at load
+        for packing in packings:
+            os.environ[variable] = packing  # read when the weights are packed, at load
             layers.float_packing.cache_clear()
-            engines[packing] = LLM(model_dir(), dtype="float32", max_num_seqs=256, enable_prefix_caching=False,
+            engines[packing] = LLM(model_dir(), dtype=dtype, max_num_seqs=256, enable_prefix_caching=False,
                                    num_kv_blocks=PROFILE_KV_BLOCKS)
-        best: dict[tuple[str, str], float] = {}
+        samples: dict[tuple[str, str], list[float]] = {}
         for _ in range(rounds):
-            for packing, llm in engines.items():
-                runner = llm.engine.client.engine_core.executor.worker.runner
-                for kind in kinds:
-                    got = step_profile.profile_step_kind(runner, kind, PROFILE_KV_BLOCKS, repeats=5, profiled=1)
-                    best[(kind.name, packing)] = min(best.get((kind.name, packing), float("inf")), got.ms_per_step)
+            for kind in kinds:
+                for packing, llm in engines.items():
+                    runner = llm.engine.client.engine_core.executor.worker.runner
+                    got = step_profile.profile_step_kind(runner, kind, PROFILE_KV_BLOCKS, repeats=5, profiled=0)
+                    pick = min(got.samples) if dtype == "float32" else statistics.median(got.samples)
+                    samples.setdefault((kind.name, packing), []).append(pick)
     finally:
         for llm in engines.values():
             llm.shutdown()
         if before is None:
-            os.environ.pop("PDSERVE_FLOAT_PACKING", None)
+            os.environ.pop(variable, None)
         else:
-            os.environ["PDSERVE_FLOAT_PACKING"] = before
+            os.environ[variable] = before
         layers.float_packing.cache_clear()
-    return [{"step": kind.name, "panels_ms": best[(kind.name, "panels")], "onednn_ms": best[(kind.name, "onednn")],
-             "panels_speedup": best[(kind.name, "onednn")] / best[(kind.name, "panels")]} for kind in kinds]
+    rows = []
+    for kind in kinds:
+        mine, theirs = samples[(kind.name, ours)], samples[(kind.name, "onednn")]
+        if dtype == "float32":
+            rows.append({"step": kind.name, f"{ours}_ms": 1e3 * min(mine), "onednn_ms": 1e3 * min(theirs),
+                         f"{ours}_speedup": min(theirs) / min(mine)})
+        else:
+            rows.append({"step": kind.name, f"{ours}_ms": 1e3 * statistics.median(mine),
+                         "onednn_ms": 1e3 * statistics.median(theirs),
+                         f"{ours}_speedup": statistics.median(t / m for t, m in zip(theirs, mine))})
+    return rows
 
 
 def run_ops(dtypes: list[torch.dtype], token_counts: list[int], rounds: int, min_s: float) -> list[dict]:
@@ -301,9 +343,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-ops", action="store_true", help="skip the per-op rows")
     parser.add_argument("--step-dtype", default="float32", help="dtype of the decode step rows")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    parser.add_argument("--no-matmuls", action="store_true", help="skip the float32 matmul layout rows")
+    parser.add_argument("--no-matmuls", action="store_true", help="skip the matmul layout rows")
     parser.add_argument("--no-packing-steps", action="store_true",
-                        help="skip the decode steps with panels against oneDNN's packing")
+                        help="skip the steps with our weight layouts against oneDNN's packing")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
@@ -324,12 +366,28 @@ def main(argv: list[str]) -> None:
                            "vs F.linear (ms per step, best of alternated rounds; ratio > 1: panels faster)",
                      meta={"threads": torch.get_num_threads(), "float_packing_here": _float_packing(),
                            "quick": args.quick})
+    if not args.no_matmuls:
+        matmul_rows = run_matmuls([1, 16, 256] if args.quick else [1, 4, 16, 32, 64, 128, 512],
+                                  rounds=2 if args.quick else 6, dtype=torch.bfloat16)
+        if any("amx_ms" in row for row in matmul_rows):
+            write_report("kernels_matmul_bf16", matmul_rows,
+                         title="a decode step's bfloat16 matmuls (bench model): weights in AMX tiles vs oneDNN's "
+                               "packing vs F.linear (ms per step and GB/s of weights, medians of alternated "
+                               "rounds; sum_gb_s: a plain sum's read rate; ratio > 1: AMX tiles faster)",
+                         meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_packing_steps:
         step_rows = run_packing_steps(rounds=2 if args.quick else 4)
         if step_rows:
             write_report("kernels_packing_steps", step_rows,
                          title="decode steps of the bench model, float32 weights in panels vs oneDNN's packing "
                                "(ms per step, both engines in this process, alternated; speedup > 1: panels faster)",
+                         meta={"threads": torch.get_num_threads(), "quick": args.quick})
+        step_rows = run_packing_steps(rounds=2 if args.quick else 6, dtype="bfloat16")
+        if step_rows:
+            write_report("kernels_bf16_packing_steps", step_rows,
+                         title="steps of the bench model, bfloat16 weights in AMX tiles vs oneDNN's packing (ms "
+                               "per step, medians; both engines in this process, alternated; amx_speedup: median "
+                               "of the paired ratios, > 1: AMX tiles faster)",
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_compile:
         compile_rows = run_compile(torch.float32, [1, 16, 64], rounds, min_s=0.005 if args.quick else 0.02)

@@ -21,12 +21,13 @@ log = logging.getLogger("pdserve.engine.cpu_kernels")
 
 # One library for all our CPU ops (namespace torch.ops.pdserve_cpu): decode attention, the fused
 # elementwise ops of a layer, the KV cache write, the int8 weight-only linear (few rows) and GEMM
-# (many rows), the float32 linear on weights in panels, and the loop that runs a decode step's
-# layers in one call.
+# (many rows), the float32 linear on weights in panels, the bfloat16 linear on weights in AMX
+# tiles, and the loop that runs a decode step's layers in one call.
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attention.cpp", "cpu_fused_ops.cpp",
                                                                 "cpu_int8_linear.cpp", "cpu_int8_gemm.cpp",
                                                                 "cpu_kv_write.cpp", "cpu_decode_step.cpp",
-                                                                "cpu_prefill_attention.cpp", "cpu_panel_linear.cpp")]
+                                                                "cpu_prefill_attention.cpp", "cpu_panel_linear.cpp",
+                                                                "cpu_amx_linear.cpp")]
 # Included by the sources: part of the build's name.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h")]
 _lock = threading.Lock()

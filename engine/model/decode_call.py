@@ -30,7 +30,8 @@ from pdserve.engine.model import layers as model_layers
 from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
-LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6}
+LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6,
+                "amx": 7}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:
@@ -74,7 +75,7 @@ class DecodeCall:
         attn = layers[0].self_attn
         # An int8 layer passes its int8 values as the weight, its scales where a packed weight goes,
         # and the bias it holds (column-parallel ones move into quant.Int8Linear). A float weight's
-        # prepacked copy (oneDNN's or panels) goes there too; the weight still gives its shape.
+        # prepacked copy (oneDNN's, panels or AMX tiles) goes there too; the weight still gives its shape.
         return cls(norms=norms + [model.norm.weight], linears=linears,
                    weights=[m.weight if m.quantized is None else m.quantized.qweight for m in linears],
                    packed=[m.packed_weight if m.quantized is None else m.quantized.scales for m in linears],

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model import decode_call, linear_tuning, llama
+from pdserve.engine.model import decode_call, layers, linear_tuning, llama
 from pdserve.engine.model.layers import packing_supported
 
 pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1",
@@ -124,6 +124,29 @@ def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch, path):
     finally:
         llm.shutdown()
     assert twice.one_call_steps >= 20 and twice.mismatches == []
+
+
+@pytest.mark.parametrize("packing", ["amx", "onednn"])
+def test_one_call_in_bfloat16_equals_the_modules_for_each_bf16_packing(model_dir, monkeypatch, packing):
+    """Weights in AMX tiles (layers.bf16_packing's pick where the CPU has AMX) or in oneDNN's
+    layout: the loop runs each as the modules do, for one row and several, qwen2's biases included."""
+    if packing == "amx" and not layers.amx_supported():
+        pytest.skip("no AMX here: bfloat16 weights cannot go in AMX tiles")
+    if packing == "onednn" and (not packing_supported(torch.bfloat16) or layers.bf16_is_emulated()):
+        pytest.skip("bfloat16 weights do not take oneDNN's packing on this CPU")
+    monkeypatch.setenv("PDSERVE_BF16_PACKING", packing)
+    llm = LLM(model_dir("qwen2"), dtype="bfloat16", num_kv_blocks=128)
+    try:
+        model = set_paths(llm, "packed")
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert decode_call.linear_path(qkv, 1) == decode_call.linear_path(qkv, 16) == packing.replace("onednn", "packed")
+        twice = Twice(monkeypatch)
+        llm.generate(prompts(1, seed=3), GREEDY)
+        llm.generate(prompts(5, seed=4), GREEDY)
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps >= 20 and twice.module_steps >= 2
+    assert twice.mismatches == []
 
 
 @pytest.mark.parametrize("name, method", [("llama", "int8"), ("qwen2", "q8_0"), ("tied", "q8_0")])

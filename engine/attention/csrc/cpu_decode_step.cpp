@@ -19,7 +19,7 @@ namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
 enum LinearPath : int64_t {
-  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6
+  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7
 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
@@ -44,6 +44,7 @@ struct Ops {
   c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear_a8 = typed_op<Int8Linear>("pdserve_cpu::int8_linear_a8");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
+  c10::TypedOperatorHandle<PanelLinear> amx_linear = typed_op<PanelLinear>("pdserve_cpu::amx_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
   c10::TypedOperatorHandle<SiluMul> silu_mul = typed_op<SiluMul>("pdserve_cpu::silu_and_mul");
@@ -61,7 +62,8 @@ const Ops& ops() {
 
 // x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 paths `weight`
 // holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales); on the
-// panels path `packed` holds the weight in panels (layers.to_panels).
+// panels path `packed` holds the weight in panels (layers.to_panels), on the AMX path in AMX tiles
+// (layers.to_amx_tiles).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
@@ -76,9 +78,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
       at::Tensor y = ops().float_linear.call(x, weight, path == kKernelSerial);
       return bias.has_value() ? y + *bias : y;
     }
-    case kPanels: {
-      TORCH_CHECK(packed.has_value(), "decode_layers: a panels path without the weight in panels");
-      at::Tensor y = ops().panel_linear.call(x, *packed, weight.size(0));
+    case kPanels:
+    case kAmx: {
+      TORCH_CHECK(packed.has_value(), "decode_layers: a panels or AMX path without the weight in that layout");
+      at::Tensor y = (path == kPanels ? ops().panel_linear : ops().amx_linear).call(x, *packed, weight.size(0));
       return bias.has_value() ? y.add_(*bias) : y;
     }
     case kPacked: {
