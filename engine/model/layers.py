@@ -106,14 +106,13 @@ def is_panels(packed: torch.Tensor) -> bool:
 
 # bfloat16 weights go in AMX tiles (to_amx_tiles, multiplied by csrc/cpu_amx_linear.cpp) instead of
 # oneDNN's packed layout where the CPU has AMX. On a 2-core Xeon with AMX, a decode step's weights
-# streamed from memory 1.3-1.6x faster than through oneDNN's packed bf16 matmul from 1 to 32 rows
-# (at 16 rows 14-21 GB/s against 10-15, a plain sum reading 19-25), 0.86-1.0x its speed from 64
-# to 128 rows (each row block is a pass of its own over the weights there), level at 512, and
-# 1.2-1.9x faster than torch's F.linear on the plain weight up to 128 rows. Whole steps: decode
-# batch 16 1.16-1.30x, batch 1 1.03-1.11x, batch 64 0.94-0.99x, a 512-token prefill level.
-# Past AMX_MAX_ROWS F.linear takes over (level with oneDNN at 1024 rows).
-# PDSERVE_BF16_PACKING=onednn keeps oneDNN's layout on an AMX CPU.
-AMX_MAX_ROWS = 512
+# streamed from memory 1.4-2.1x faster than through oneDNN's packed bf16 matmul from 1 to 16 rows
+# (at 16 rows 13-18 GB/s against 10-11, a plain sum reading 19-22), 2.0x at 32, 0.85-0.93x at 64
+# to 128 rows and level at 512; 1.2-2.5x faster than torch's F.linear on the plain weight up to
+# 128 rows, 1.27x at 256, 0.85-0.96x at 512. Whole steps: decode batch 16 1.16-1.30x, batch 1
+# 1.00-1.11x, batch 64 0.94-0.99x. Past AMX_MAX_ROWS (prefill chunks) F.linear takes over, level
+# with oneDNN's packing there. PDSERVE_BF16_PACKING=onednn keeps oneDNN's layout on an AMX CPU.
+AMX_MAX_ROWS = 256
 BF16_PACKINGS = ("amx", "onednn")
 
 

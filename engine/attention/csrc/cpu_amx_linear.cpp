@@ -4,9 +4,10 @@
 // weights stream in. On a 2-core Xeon with AMX, oneDNN's packed bf16 matmul (AMX too) streamed a
 // decode step's weights at 9-11 GB/s at 1 to 16 rows, where a plain sum reads 20-22 GB/s: each
 // tile load waits for its 16 lines one after another. Here every line of a tile is requested
-// before the tile is loaded: the step's matmuls ran 1.3-1.5x faster than oneDNN's from 1 to 32 rows
-// (14-21 GB/s at 16 rows), 0.86x at 64-128 rows, where each row block is a K pass of its own,
-// and level at 512 (benchmarks/bench_kernels.py's `kernels_matmul_bf16` table measures it).
+// before the tile is loaded, and past 16 rows each weight tile is multiplied by every row block as
+// soon as it arrives. The step's matmuls ran 1.4-2.1x faster than oneDNN's from 1 to 16 rows (13-18
+// GB/s at 16 rows), 2.0x at 32, 0.85-0.93x at 64-128 and level at 512
+// (benchmarks/bench_kernels.py's `kernels_matmul_bf16` table measures it).
 //
 // Layout (engine/model/layers.py's `to_amx_tiles`): [groups][k_blocks][4][16][32] bfloat16. Group g
 // holds output rows 64g..64g+63, k-block b inputs 32b..32b+31; tile [g][b][j] is the B operand of
@@ -116,32 +117,93 @@ void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_b
   if (NB > 3) _tile_stored(3, c + 768, 64);
 }
 
+// Past 16 rows: C[r] = rows 16r..16r+15 of x · W_blockᵀ for R row blocks of one output block, each
+// weight tile multiplied by every row block as soon as it is loaded. A pass per row block would
+// read the tiles from memory in the first pass and only compute on them, from cache, in the others;
+// interleaved, the weight stream and the arithmetic overlap (the next tiles are requested kAhead
+// k-blocks early). Tile 5 holds the weight tile, 4, 6 and 7 the row blocks of x in turn.
+constexpr int64_t kAhead = 4;
+
+template <int R>
+void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
+                float* c) {
+  _tile_zero(0);
+  if (R > 1) _tile_zero(1);
+  if (R > 2) _tile_zero(2);
+  if (R > 3) _tile_zero(3);
+  const int64_t stride = lda * 2;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    if (fetch) {
+      for (int64_t ahead = kb == 0 ? 0 : kAhead; ahead <= kAhead && kb + ahead < k_blocks; ++ahead) {
+        const char* next = reinterpret_cast<const char*>(tile_of(w, k_blocks, block, kb + ahead));
+        for (int64_t line = 0; line < kTile * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      }
+    }
+    const uint16_t* a = x + kb * kK;
+    _tile_loadd(5, tile_of(w, k_blocks, block, kb), 64);
+    _tile_loadd(4, a, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (R > 1) {
+      _tile_loadd(6, a + kRows * lda, stride);
+      _tile_dpbf16ps(1, 6, 5);
+    }
+    if (R > 2) {
+      _tile_loadd(7, a + 2 * kRows * lda, stride);
+      _tile_dpbf16ps(2, 7, 5);
+    }
+    if (R > 3) {
+      _tile_loadd(4, a + 3 * kRows * lda, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if (R > 1) _tile_stored(1, c + 256, 64);
+  if (R > 2) _tile_stored(2, c + 512, 64);
+  if (R > 3) _tile_stored(3, c + 768, 64);
+}
+
+// Rows [m, m + rows) of output block `block` from c, row r of the block at c[r * 16], to bfloat16.
+inline void store_rows(const float* c, int64_t rows, int64_t block, int64_t n_size, int64_t m, uint16_t* y) {
+  const int64_t n0 = block * kBlock;
+  const int64_t cols = std::min(kBlock, n_size - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c + r * kBlock)));
+    _mm256_mask_storeu_epi16(y + (m + r) * n_size + n0, mask, v);
+  }
+}
+
 void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks,
                int64_t n_size, uint16_t* y) {
   const int64_t n_blocks = (n_size + kBlock - 1) / kBlock;
   at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles(static_cast<int>(std::min(kRows, m_size)));
     alignas(64) float c[kGroup * kRows * kBlock];
-    for (int64_t block = b0; block < b1; block += kGroup) {
-      const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
-      for (int64_t m = 0; m < m_size; m += kRows) {
-        const uint16_t* xr = x + m * lda;
-        const bool fetch = m == 0;
+    if (m_size <= kRows) {  // one row block: four output blocks per pass
+      for (int64_t block = b0; block < b1; block += kGroup) {
+        const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
         switch (nb) {
-          case 1: blocks_times<1>(xr, lda, w, k_blocks, block, fetch, c); break;
-          case 2: blocks_times<2>(xr, lda, w, k_blocks, block, fetch, c); break;
-          case 3: blocks_times<3>(xr, lda, w, k_blocks, block, fetch, c); break;
-          default: blocks_times<4>(xr, lda, w, k_blocks, block, fetch, c); break;
+          case 1: blocks_times<1>(x, lda, w, k_blocks, block, true, c); break;
+          case 2: blocks_times<2>(x, lda, w, k_blocks, block, true, c); break;
+          case 3: blocks_times<3>(x, lda, w, k_blocks, block, true, c); break;
+          default: blocks_times<4>(x, lda, w, k_blocks, block, true, c); break;
         }
-        const int64_t rows = std::min(kRows, m_size - m);
-        for (int j = 0; j < nb; ++j) {
-          const int64_t n0 = (block + j) * kBlock;
-          const int64_t cols = std::min(kBlock, n_size - n0);
-          const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c + (j * kRows + r) * kBlock)));
-            _mm256_mask_storeu_epi16(y + (m + r) * n_size + n0, mask, v);
+        for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, n_size, 0, y);
+      }
+    } else {  // up to four row blocks per pass over one output block; its tiles stay in cache after the first
+      constexpr int64_t kChunk = 4 * kRows;
+      for (int64_t block = b0; block < b1; ++block) {
+        for (int64_t m = 0; m < m_size; m += kChunk) {
+          const uint16_t* xr = x + m * lda;
+          const bool fetch = m == 0;
+          const int64_t rows = std::min(kChunk, m_size - m);
+          switch ((rows + kRows - 1) / kRows) {
+            case 1: rows_times<1>(xr, lda, w, k_blocks, block, fetch, c); break;
+            case 2: rows_times<2>(xr, lda, w, k_blocks, block, fetch, c); break;
+            case 3: rows_times<3>(xr, lda, w, k_blocks, block, fetch, c); break;
+            default: rows_times<4>(xr, lda, w, k_blocks, block, fetch, c); break;
           }
+          store_rows(c, rows, block, n_size, m, y);
         }
       }
     }
