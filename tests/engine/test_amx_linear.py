@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine.model import layers
+from support.linear_checks import assert_rows_independent
 
 kernels_off = os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1"
 needs_amx = pytest.mark.skipif(kernels_off or not layers.amx_supported(),
@@ -89,17 +90,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
     is in the batch nor with how many threads run it."""
     weight, x = randn(200, 96, seed=6).bfloat16(), randn(70, 96, seed=7).bfloat16()
     tiles = layers.to_amx_tiles(weight)
-    batch = torch.ops.pdserve_cpu.amx_linear(x, tiles, 200)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = torch.ops.pdserve_cpu.amx_linear(x, tiles, 200)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch, serial)
-    for row in (0, 5, 15, 16, 69):
-        assert torch.equal(torch.ops.pdserve_cpu.amx_linear(x[row:row + 1], tiles, 200), batch[row:row + 1])
-        assert torch.equal(torch.ops.pdserve_cpu.amx_linear(x[row:row + 20], tiles, 200)[0], batch[row])
+    assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.amx_linear(rows, tiles, 200), x, (0, 5, 15, 16, 69),
+                            window=20)
 
 
 @needs_amx

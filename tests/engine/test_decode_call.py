@@ -72,6 +72,14 @@ def set_paths(llm: LLM, path: str | None) -> torch.nn.Module:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+def generate_twice(llm: LLM, monkeypatch, seeds: tuple[int, int]) -> Twice:
+    """One request (one row per decode step), then five (several rows), every forward run twice."""
+    twice = Twice(monkeypatch)
+    llm.generate(prompts(1, seed=seeds[0]), GREEDY)
+    llm.generate(prompts(5, seed=seeds[1]), GREEDY)
+    return twice
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3_rope"])
 @pytest.mark.parametrize("path", [None, "packed", "kernel", "kernel_serial"])
 def test_one_call_equals_the_modules_for_every_single_row_path(model_dir, monkeypatch, name, path):
@@ -80,9 +88,7 @@ def test_one_call_equals_the_modules_for_every_single_row_path(model_dir, monkey
     llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=128)
     try:
         set_paths(llm, path)
-        twice = Twice(monkeypatch)
-        llm.generate(prompts(1, seed=1), GREEDY)  # one row per decode step
-        llm.generate(prompts(5, seed=2), GREEDY)  # several rows: packed or F.linear by the row count
+        twice = generate_twice(llm, monkeypatch, seeds=(1, 2))  # several rows: packed or F.linear by the count
     finally:
         llm.shutdown()
     assert twice.one_call_steps >= 20 and twice.module_steps >= 2  # prefills run the modules
@@ -101,9 +107,7 @@ def test_one_call_equals_the_modules_for_each_float_packing(model_dir, monkeypat
         model = set_paths(llm, "packed")
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert decode_call.linear_path(qkv, 1) == ("panels" if packing == "panels" else "packed")
-        twice = Twice(monkeypatch)
-        llm.generate(prompts(1, seed=1), GREEDY)
-        llm.generate(prompts(5, seed=2), GREEDY)
+        twice = generate_twice(llm, monkeypatch, seeds=(1, 2))
     finally:
         llm.shutdown()
     assert twice.one_call_steps >= 20 and twice.module_steps >= 2
@@ -140,9 +144,7 @@ def test_one_call_in_bfloat16_equals_the_modules_for_each_bf16_packing(model_dir
         model = set_paths(llm, "packed")
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert decode_call.linear_path(qkv, 1) == decode_call.linear_path(qkv, 16) == packing.replace("onednn", "packed")
-        twice = Twice(monkeypatch)
-        llm.generate(prompts(1, seed=3), GREEDY)
-        llm.generate(prompts(5, seed=4), GREEDY)
+        twice = generate_twice(llm, monkeypatch, seeds=(3, 4))
     finally:
         llm.shutdown()
     assert twice.one_call_steps >= 20 and twice.module_steps >= 2

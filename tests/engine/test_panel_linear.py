@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.model import layers
+from support.linear_checks import assert_rows_independent
 
 pytestmark = pytest.mark.skipif(os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1" or not layers.panels_supported(),
                                 reason="our panel kernel is not built with vector code here")
@@ -64,17 +65,8 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(dtype):
     (a request's logits do not change with who else is being served)."""
     weight, x = randn(200, 96, seed=6).to(dtype), randn(70, 96, seed=7).to(dtype)
     panels = layers.to_panels(weight)
-    batch = torch.ops.pdserve_cpu.panel_linear(x, panels, 200)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = torch.ops.pdserve_cpu.panel_linear(x, panels, 200)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(batch, serial)
-    for row in (0, 5, 6, 13, 69):
-        assert torch.equal(torch.ops.pdserve_cpu.panel_linear(x[row:row + 1], panels, 200), batch[row:row + 1])
-        assert torch.equal(torch.ops.pdserve_cpu.panel_linear(x[row:row + 16], panels, 200)[0], batch[row])
+    assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.panel_linear(rows, panels, 200), x, (0, 5, 6, 13, 69),
+                            window=16)
 
 
 def test_empty_shapes():
@@ -154,7 +146,7 @@ def test_float16_weights_never_go_in_panels_and_bfloat16_only_without_bf16_arith
     packed = layers.pack_weight(randn(24, 8).bfloat16())
     if layers.bf16_is_emulated():  # AVX2: half the bytes of float32 to read, widened in the tile
         assert packed is not None and layers.is_panels(packed) and packed.dtype == torch.bfloat16
-    else:  # AVX512-BF16 or AMX: oneDNN's bf16 arithmetic
+    else:  # AVX512-BF16: oneDNN's bf16 arithmetic; AMX: AMX tiles (test_amx_linear)
         assert packed is None or not layers.is_panels(packed)
 
 
@@ -190,7 +182,7 @@ def test_bfloat16_panels_sum_in_float32_and_round_once(out_features, in_features
 
 def test_layers_linear_takes_bfloat16_panels_up_to_the_limit_then_widens(float_packing):
     if not layers.bf16_is_emulated():
-        pytest.skip("this CPU has bf16 arithmetic: bfloat16 weights take oneDNN's packing, not panels")
+        pytest.skip("this CPU has bf16 arithmetic: bfloat16 weights take oneDNN's packing or AMX tiles, not panels")
     float_packing("panels")
     weight, bias = randn(33, 20, seed=15).bfloat16(), randn(33, seed=16).bfloat16()
     panels = layers.pack_weight(weight)

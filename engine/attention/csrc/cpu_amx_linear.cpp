@@ -73,6 +73,23 @@ void configure_tiles(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// Accumulator tiles 0..N-1: zeroed before a pass, stored after it to c, 256 floats (16 x 16) apart.
+template <int N>
+inline void zero_accumulators() {
+  _tile_zero(0);
+  if (N > 1) _tile_zero(1);
+  if (N > 2) _tile_zero(2);
+  if (N > 3) _tile_zero(3);
+}
+
+template <int N>
+inline void store_accumulators(float* c) {
+  _tile_stored(0, c, 64);
+  if (N > 1) _tile_stored(1, c + 256, 64);
+  if (N > 2) _tile_stored(2, c + 512, 64);
+  if (N > 3) _tile_stored(3, c + 768, 64);
+}
+
 inline const uint16_t* tile_of(const uint16_t* w, int64_t k_blocks, int64_t block, int64_t kb) {
   return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
 }
@@ -83,10 +100,7 @@ inline const uint16_t* tile_of(const uint16_t* w, int64_t k_blocks, int64_t bloc
 template <int NB>
 void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
                   float* c) {
-  _tile_zero(0);
-  if (NB > 1) _tile_zero(1);
-  if (NB > 2) _tile_zero(2);
-  if (NB > 3) _tile_zero(3);
+  zero_accumulators<NB>();
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     const uint16_t* b[NB];
     for (int j = 0; j < NB; ++j) b[j] = tile_of(w, k_blocks, block + j, kb);
@@ -111,10 +125,7 @@ void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_b
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  _tile_stored(0, c, 64);
-  if (NB > 1) _tile_stored(1, c + 256, 64);
-  if (NB > 2) _tile_stored(2, c + 512, 64);
-  if (NB > 3) _tile_stored(3, c + 768, 64);
+  store_accumulators<NB>(c);
 }
 
 // Past 16 rows: C[r] = rows 16r..16r+15 of x · W_blockᵀ for R row blocks of one output block, each
@@ -127,10 +138,7 @@ constexpr int64_t kAhead = 4;
 template <int R>
 void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
                 float* c) {
-  _tile_zero(0);
-  if (R > 1) _tile_zero(1);
-  if (R > 2) _tile_zero(2);
-  if (R > 3) _tile_zero(3);
+  zero_accumulators<R>();
   const int64_t stride = lda * 2;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     if (fetch) {
@@ -156,10 +164,7 @@ void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blo
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  _tile_stored(0, c, 64);
-  if (R > 1) _tile_stored(1, c + 256, 64);
-  if (R > 2) _tile_stored(2, c + 512, 64);
-  if (R > 3) _tile_stored(3, c + 768, 64);
+  store_accumulators<R>(c);
 }
 
 // Rows [m, m + rows) of output block `block` from c, row r of the block at c[r * 16], to bfloat16.
