@@ -94,21 +94,17 @@ inline const uint16_t* tile_of(const uint16_t* w, int64_t k_blocks, int64_t bloc
   return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
 }
 
-// C[j] = x_rows · W_blockᵀ for NB output blocks starting at `block`, 16 rows of x (row stride lda
-// elements), over every k-block. `fetch`: request each weight tile's lines before loading it (the
-// first pass over these blocks, from memory; later row blocks find them in L2).
+// Up to 16 rows: C[j] = x · W_blockᵀ for NB output blocks starting at `block` (x's row stride lda
+// elements), over every k-block; each weight tile's lines are all requested before it is loaded.
 template <int NB>
-void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
-                  float* c) {
+void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, float* c) {
   zero_accumulators<NB>();
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     const uint16_t* b[NB];
     for (int j = 0; j < NB; ++j) b[j] = tile_of(w, k_blocks, block + j, kb);
-    if (fetch) {
-      for (int j = 0; j < NB; ++j)
-        for (int64_t line = 0; line < kTile * 2; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(b[j]) + line, _MM_HINT_T0);
-    }
+    for (int j = 0; j < NB; ++j)
+      for (int64_t line = 0; line < kTile * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b[j]) + line, _MM_HINT_T0);
     _tile_loadd(4, x + kb * kK, lda * 2);
     _tile_loadd(5, b[0], 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -132,7 +128,8 @@ void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_b
 // weight tile multiplied by every row block as soon as it is loaded. A pass per row block would
 // read the tiles from memory in the first pass and only compute on them, from cache, in the others;
 // interleaved, the weight stream and the arithmetic overlap (the next tiles are requested kAhead
-// k-blocks early). Tile 5 holds the weight tile, 4, 6 and 7 the row blocks of x in turn.
+// k-blocks early; `fetch` only in the first chunk of rows, later ones find the tiles in cache).
+// Tile 5 holds the weight tile, 4, 6 and 7 the row blocks of x in turn.
 constexpr int64_t kAhead = 4;
 
 template <int R>
@@ -188,10 +185,10 @@ void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
       for (int64_t block = b0; block < b1; block += kGroup) {
         const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
         switch (nb) {
-          case 1: blocks_times<1>(x, lda, w, k_blocks, block, true, c); break;
-          case 2: blocks_times<2>(x, lda, w, k_blocks, block, true, c); break;
-          case 3: blocks_times<3>(x, lda, w, k_blocks, block, true, c); break;
-          default: blocks_times<4>(x, lda, w, k_blocks, block, true, c); break;
+          case 1: blocks_times<1>(x, lda, w, k_blocks, block, c); break;
+          case 2: blocks_times<2>(x, lda, w, k_blocks, block, c); break;
+          case 3: blocks_times<3>(x, lda, w, k_blocks, block, c); break;
+          default: blocks_times<4>(x, lda, w, k_blocks, block, c); break;
         }
         for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, n_size, 0, y);
       }
