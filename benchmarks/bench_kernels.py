@@ -177,8 +177,8 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
     if layers.packing_supported(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-    streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
     if dtype != torch.float32:
+        streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
         ways["sum"] = lambda x, w, i: streamed.sum() if i == 0 else None
     ours = OUR_LAYOUT[dtype]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)

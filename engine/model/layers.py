@@ -231,13 +231,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     if path in ("kernel", "kernel_serial"):
         y = torch.ops.pdserve_cpu.float_linear(x, weight, path == "kernel_serial")
         return y if bias is None else y + bias
-    if path == "panels":
-        y = torch.ops.pdserve_cpu.panel_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0])
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
-        return y if bias is None else y + bias
-    if path == "amx":
-        y = torch.ops.pdserve_cpu.amx_linear(x.reshape(-1, x.shape[-1]), packed, weight.shape[0])
-        y = y.reshape(*x.shape[:-1], weight.shape[0])
+    if path in ("panels", "amx"):  # our kernels on our layouts: 2-D x, the bias added after
+        op = torch.ops.pdserve_cpu.panel_linear if path == "panels" else torch.ops.pdserve_cpu.amx_linear
+        y = op(x.reshape(-1, x.shape[-1]), packed, weight.shape[0]).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if path == "packed":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
