@@ -154,9 +154,10 @@ OUR_LAYOUT = {torch.float32: "panels", torch.bfloat16: "amx"}
 
 
 def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.float32) -> list[dict]:
-    """ms per decode step's matmuls in `dtype`, per layout, alternated round by round: float32 the
-    best of each (weights in panels, oneDNN's, F.linear); bfloat16 the median (AMX tiles, oneDNN's,
-    F.linear), with the GB/s the weights stream at and a plain sum's read rate beside them."""
+    """ms per decode step's matmuls in `dtype`, per layout (ours: float32 in panels, bfloat16 in AMX
+    tiles; oneDNN's packing; F.linear), alternated round by round: the medians, the GB/s the weights
+    stream at with a plain sum's read rate beside them, and our layout's speed against the others as
+    the median of the paired ratios (this machine's speed drifts within minutes; a round's pair does not)."""
     import torch.nn.functional as F
 
     from pdserve.engine.model import layers
@@ -177,12 +178,10 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
     if layers.packing_supported(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
-    if dtype != torch.float32:
-        streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
-        ways["sum"] = lambda x, w, i: streamed.sum() if i == 0 else None
+    streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
+    ways["sum"] = lambda x, w, i: streamed.sum() if i == 0 else None
     ours = OUR_LAYOUT[dtype]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    pick = min if dtype == torch.float32 else statistics.median
     rows = []
     for count in row_counts:
         xs = {in_f: torch.randn(count, in_f, generator=gen).to(dtype) for _, in_f in shapes}
@@ -202,26 +201,23 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
                 step(fn)
                 if round_:
                     samples[name].append(time.perf_counter() - began)
-        best = {name: pick(t) for name, t in samples.items()}
+        median = {name: statistics.median(t) for name, t in samples.items()}
         flops = 2 * count * sum(o * i for o, i in shapes)
-        row = {"rows": count, **{f"{name}_ms": t * 1e3 for name, t in best.items() if name != "sum"},
-               **{f"{name}_gflops": flops / t / 1e9 for name, t in best.items() if name != "sum"}}
-        if dtype != torch.float32:
-            row.update({f"{name}_gb_s": (streamed.numel() * 4 if name == "sum" else weight_bytes) / t / 1e9
-                        for name, t in best.items()})
-        if ours in best:
-            row[f"{ours}_vs_flinear"] = best["F.linear"] / best[ours]
-            if "onednn" in best:
-                row[f"{ours}_vs_onednn"] = best["onednn"] / best[ours]
+        row = {"rows": count, **{f"{name}_ms": t * 1e3 for name, t in median.items() if name != "sum"},
+               **{f"{name}_gflops": flops / t / 1e9 for name, t in median.items() if name != "sum"},
+               **{f"{name}_gb_s": (streamed.numel() * 4 if name == "sum" else weight_bytes) / t / 1e9
+                  for name, t in median.items()}}
+        for other, label in (("F.linear", "flinear"), ("onednn", "onednn")):
+            if ours in samples and other in samples:
+                row[f"{ours}_vs_{label}"] = statistics.median(t / m for t, m in zip(samples[other], samples[ours]))
         rows.append(row)
     return rows
 
 
 def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
-    """ms per step (bench_offline's decode kinds; prefill too in bfloat16) with weights in our
-    layout (float32: panels, bfloat16: AMX tiles) and in oneDNN's: two engines on the same
-    checkpoint in this process, alternated; float32 the best of each, bfloat16 the medians and the
-    median of the paired ratios."""
+    """ms per step (bench_offline's step kinds) with weights in our layout (float32: panels, bfloat16:
+    AMX tiles) and in oneDNN's: two engines on the same checkpoint in this process, alternated; the
+    medians and the median of the paired ratios."""
     import os
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -234,11 +230,10 @@ def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
     if dtype == "float32":
         variable, packings = "PDSERVE_FLOAT_PACKING", layers.FLOAT_PACKINGS
         usable = layers.panels_supported() and layers.packing_supported(torch.float32)
-        kinds = [k for k in step_profile.DEFAULT_KINDS if k.name.startswith("decode")]
     else:
         variable, packings = "PDSERVE_BF16_PACKING", layers.BF16_PACKINGS
         usable = layers.amx_supported() and layers.packing_supported(torch.bfloat16)
-        kinds = list(step_profile.DEFAULT_KINDS)
+    kinds = list(step_profile.DEFAULT_KINDS)
     if not usable:
         return []
     ours = packings[0]
@@ -256,8 +251,7 @@ def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
                 for packing, llm in engines.items():
                     runner = llm.engine.client.engine_core.executor.worker.runner
                     got = step_profile.profile_step_kind(runner, kind, PROFILE_KV_BLOCKS, repeats=5, profiled=0)
-                    pick = min(got.samples) if dtype == "float32" else statistics.median(got.samples)
-                    samples.setdefault((kind.name, packing), []).append(pick)
+                    samples.setdefault((kind.name, packing), []).append(statistics.median(got.samples))
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -269,13 +263,9 @@ def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
     rows = []
     for kind in kinds:
         mine, theirs = samples[(kind.name, ours)], samples[(kind.name, "onednn")]
-        if dtype == "float32":
-            rows.append({"step": kind.name, f"{ours}_ms": 1e3 * min(mine), "onednn_ms": 1e3 * min(theirs),
-                         f"{ours}_speedup": min(theirs) / min(mine)})
-        else:
-            rows.append({"step": kind.name, f"{ours}_ms": 1e3 * statistics.median(mine),
-                         "onednn_ms": 1e3 * statistics.median(theirs),
-                         f"{ours}_speedup": statistics.median(t / m for t, m in zip(theirs, mine))})
+        rows.append({"step": kind.name, f"{ours}_ms": 1e3 * statistics.median(mine),
+                     "onednn_ms": 1e3 * statistics.median(theirs),
+                     f"{ours}_speedup": statistics.median(t / m for t, m in zip(theirs, mine))})
     return rows
 
 
@@ -363,7 +353,8 @@ def main(argv: list[str]) -> None:
                                   rounds=2 if args.quick else 4)
         write_report("kernels_matmul", matmul_rows,
                      title="a decode step's float32 matmuls (bench model): weights in panels vs oneDNN's packing "
-                           "vs F.linear (ms per step, best of alternated rounds; ratio > 1: panels faster)",
+                           "vs F.linear (ms per step and GB/s of weights, medians of alternated rounds; sum_gb_s: "
+                           "a plain sum's read rate; ratios: medians of the paired ratios, > 1: panels faster)",
                      meta={"threads": torch.get_num_threads(), "float_packing_here": _float_packing(),
                            "quick": args.quick})
     if not args.no_matmuls:
@@ -376,11 +367,12 @@ def main(argv: list[str]) -> None:
                                "rounds; sum_gb_s: a plain sum's read rate; ratio > 1: AMX tiles faster)",
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_packing_steps:
-        step_rows = run_packing_steps(rounds=2 if args.quick else 4)
+        step_rows = run_packing_steps(rounds=2 if args.quick else 6)
         if step_rows:
             write_report("kernels_packing_steps", step_rows,
-                         title="decode steps of the bench model, float32 weights in panels vs oneDNN's packing "
-                               "(ms per step, both engines in this process, alternated; speedup > 1: panels faster)",
+                         title="steps of the bench model, float32 weights in panels vs oneDNN's packing (ms per "
+                               "step, medians; both engines in this process, alternated; panels_speedup: median of "
+                               "the paired ratios, > 1: panels faster)",
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
         step_rows = run_packing_steps(rounds=2 if args.quick else 6, dtype="bfloat16")
         if step_rows:

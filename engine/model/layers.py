@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import cpu_info
 from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from pdserve.engine.model import fused
@@ -56,15 +55,15 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 # Float32 weights go in panels (to_panels, multiplied by csrc/cpu_panel_linear.cpp) instead of
-# oneDNN's packed layout on CPUs without AVX-512. Measured on a Zen 3 EPYC with a decode step's
-# weights coming from memory (benchmarks/bench_kernels.py's matmul rows): panels 1.1-1.5x oneDNN's
-# throughput from 1 to 64 rows and level at 128; 1.3-4.5x F.linear's up to 128 rows, level with it
-# at 512, 0.96x at 1024 and 0.95x at 2048: past PANEL_MAX_ROWS F.linear takes over. AVX-512 CPUs
-# keep oneDNN (0.64 of the roofline at 16 rows on a Zen 4): on an Intel Xeon with AVX-512, whole
-# decode steps in panels ran 0.98x oneDNN's at batch 1, 0.90-1.05x at 16 and 0.73-0.78x at 64
-# (README, the rejected rows). PDSERVE_FLOAT_PACKING=panels or =onednn overrides the rule.
+# oneDNN's packed layout. Measured on a Zen 3 EPYC (AVX2) with a decode step's weights coming from
+# memory (benchmarks/bench_kernels.py's matmul rows): panels 1.1-1.5x oneDNN's throughput from 1 to
+# 64 rows and level at 128; 1.3-4.5x F.linear's up to 128 rows, level with it at 512, 0.96x at 1024
+# and 0.95x at 2048. On an AVX-512 Xeon, with the tile spanning four panels: 1.4-1.6x oneDNN from 1
+# to 16 rows, 1.1x at 64, level at 128-512; whole decode steps 1.23x at batch 16 (paired, in one
+# process), 1.13x at 32, 1.07x at 64, 1.05x at 1, but prefills of 512 tokens 0.93x F.linear's
+# (README). Past panel_max_rows() F.linear takes over. PDSERVE_FLOAT_PACKING=panels or =onednn
+# overrides the rule.
 FLOAT_PACKINGS = ("panels", "onednn")
-PANEL_MAX_ROWS = 512
 
 
 @functools.cache
@@ -73,9 +72,14 @@ def float_packing() -> str:
     chosen = os.environ.get("PDSERVE_FLOAT_PACKING", "")
     if chosen and chosen not in FLOAT_PACKINGS:
         raise ValueError(f"PDSERVE_FLOAT_PACKING={chosen!r}: expected one of {', '.join(FLOAT_PACKINGS)}")
-    if chosen == "onednn" or not panels_supported():
-        return "onednn"
-    return "panels" if chosen == "panels" or "avx512f" not in cpu_info.flags() else "onednn"
+    return "onednn" if chosen == "onednn" or not panels_supported() else "panels"
+
+
+@functools.cache
+def panel_max_rows() -> int:
+    """The most rows panels multiply before F.linear (MKL) takes over: 512 with the AVX2 tile, 256
+    with the AVX-512 one (a 512-token prefill ran 0.93x F.linear's there, 256 tokens 1.02x)."""
+    return 256 if panels_supported() and torch.ops.pdserve_cpu.gemm_tile_isa() == 512 else 512
 
 
 @functools.cache
@@ -166,7 +170,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 # CPUs without bf16 hardware (AVX2-only) run torch's bf16 matmuls 3-7x slower than fp32 ones once
 # x has more than a few rows. There bf16 weights go in panels (pack_weight), widened in the tile,
-# up to PANEL_MAX_ROWS rows; past it (long prefill chunks) the weight is widened to fp32 a slab at
+# up to panel_max_rows() rows; past it (long prefill chunks) the weight is widened to fp32 a slab at
 # a time (the slab stays in cache, the weight in memory stays bf16) for MKL's fp32 matmul and the
 # product rounded back: the same fp32 accumulation torch's emulation does, so results match it to
 # the last bit on >99.9% of elements. Without panels (another CPU kind) the same holds from
@@ -200,7 +204,7 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     one linear_tuning measured fastest for this weight (`one_row`: "packed", the weight's prepacked
     layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
     bfloat16 on AVX512-BF16 or AVX2); "panels" for a weight in panels (float32, or bfloat16 on
-    AVX2) at 2 to PANEL_MAX_ROWS rows; "amx" for a bfloat16 weight in AMX tiles up to AMX_MAX_ROWS
+    AVX2) at 2 to panel_max_rows() rows; "amx" for a bfloat16 weight in AMX tiles up to AMX_MAX_ROWS
     rows; "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16
     on CPUs without bf16 arithmetic; else "torch" (F.linear). The one-call decode step
     (decode_call) follows it too."""
@@ -209,7 +213,7 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     if packed is not None and is_amx_tiles(packed):
         return "amx" if rows <= AMX_MAX_ROWS else "torch"
     if packed is not None and is_panels(packed):
-        if (rows > 1 or one_row == "packed") and rows <= PANEL_MAX_ROWS:
+        if (rows > 1 or one_row == "packed") and rows <= panel_max_rows():
             return "panels"
     elif packed is not None:
         low, high = PACKED_ROWS[weight.dtype]
