@@ -364,7 +364,8 @@ def main(argv: list[str]) -> None:
             write_report("kernels_matmul_bf16", matmul_rows,
                          title="a decode step's bfloat16 matmuls (bench model): weights in AMX tiles vs oneDNN's "
                                "packing vs F.linear (ms per step and GB/s of weights, medians of alternated "
-                               "rounds; sum_gb_s: a plain sum's read rate; ratio > 1: AMX tiles faster)",
+                               "rounds; sum_gb_s: a plain sum's read rate; ratios: medians of the paired ratios, "
+                               "> 1: AMX tiles faster)",
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_packing_steps:
         step_rows = run_packing_steps(rounds=2 if args.quick else 6)
