@@ -57,8 +57,11 @@ def test_tiles_hold_each_weight_element_where_the_tile_unit_reads_it_and_zero_pa
 
 
 @needs_amx
-@pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 3), (17, 33), (64, 32), (100, 300), (768, 256)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 70])
+# From 128 rows pairs of output blocks go two row blocks at a time: 48 outputs are three blocks (a
+# pair and one alone), 129 and 150 rows end in a lone or a part-filled row block.
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 3), (17, 33), (48, 40), (64, 32), (100, 300),
+                                                       (768, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 33, 70, 129, 150, 160])
 def test_the_product_sums_in_float32_and_rounds_once(out_features, in_features, rows):
     """Within one bf16 step (plus float32's summation error, where the sum cancels) of the exactly
     rounded sum, equal to it on nearly every element, and as close to it as torch's own bf16 matmul."""
@@ -88,10 +91,14 @@ def test_rows_of_x_may_sit_anywhere_in_memory():
 def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
     """The tile unit sums each row of x on its own: a request's logits do not change with who else
     is in the batch nor with how many threads run it."""
-    weight, x = randn(200, 96, seed=6).bfloat16(), randn(70, 96, seed=7).bfloat16()
+    weight = randn(200, 96, seed=6).bfloat16()
     tiles = layers.to_amx_tiles(weight)
+    x = randn(70, 96, seed=7).bfloat16()
     assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.amx_linear(rows, tiles, 200), x, (0, 5, 15, 16, 69),
                             window=20)
+    many = randn(150, 96, seed=8).bfloat16()  # pairs of row blocks in the batch, one at a time in the windows
+    assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.amx_linear(rows, tiles, 200), many,
+                            (0, 31, 100, 128, 149), window=20)
 
 
 @needs_amx

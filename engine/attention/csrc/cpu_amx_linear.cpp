@@ -6,7 +6,8 @@
 // tile load waits for its 16 lines one after another. Here every line of a tile is requested
 // before the tile is loaded, and past 16 rows each weight tile is multiplied by every row block as
 // soon as it arrives. The step's matmuls ran 1.4-2.1x faster than oneDNN's from 1 to 16 rows (13-18
-// GB/s at 16 rows), 2.0x at 32, 0.85-0.93x at 64-128 and level at 512
+// GB/s at 16 rows), 2.0x at 32, 0.85-0.93x at 64-128 and level at 512; from 128 rows pairs of output
+// blocks by pairs of row blocks (pairs_times) run 1.1-1.3x faster than one block at a time
 // (benchmarks/bench_kernels.py's `kernels_matmul_bf16` table measures it).
 //
 // Layout (engine/model/layers.py's `to_amx_tiles`): [groups][k_blocks][4][16][32] bfloat16. Group g
@@ -164,6 +165,40 @@ void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blo
   store_accumulators<R>(c);
 }
 
+// From kPairRows rows: C = rows 16r..16r+31 of x · (output blocks `block`, `block` + 1)ᵀ, a 2 x 2 of
+// accumulators ([row block][output block] at c + 256 * (2 * r + j)): per k-block two tiles of x and two
+// of weights feed four products, where rows_times loads a tile of x per product. On the AMX Xeon (2
+// threads, a decode step's 49 matmuls, weights from memory, medians of paired ratios) 1.13-1.30x
+// rows_times at 128 rows, 1.16-1.23x at 256, 0.81x at 32 and level at 64: rows_times keeps those.
+// Tiles 4 and 5 hold x, 6 and 7 the weights; the next tiles of both blocks are requested kAhead
+// k-blocks early when `fetch` (the first rows).
+constexpr int64_t kPairRows = 128;
+
+void pairs_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
+                 float* c) {
+  zero_accumulators<4>();
+  const int64_t stride = lda * 2;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    if (fetch) {
+      for (int64_t ahead = kb == 0 ? 0 : kAhead; ahead <= kAhead && kb + ahead < k_blocks; ++ahead)
+        for (int64_t j = 0; j < 2; ++j) {
+          const char* next = reinterpret_cast<const char*>(tile_of(w, k_blocks, block + j, kb + ahead));
+          for (int64_t line = 0; line < kTile * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+        }
+    }
+    const uint16_t* a = x + kb * kK;
+    _tile_loadd(4, a, stride);
+    _tile_loadd(6, tile_of(w, k_blocks, block, kb), 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, tile_of(w, k_blocks, block + 1, kb), 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + kRows * lda, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  store_accumulators<4>(c);
+}
+
 // Rows [m, m + rows) of output block `block` from c, row r of the block at c[r * 16], to bfloat16.
 inline void store_rows(const float* c, int64_t rows, int64_t block, int64_t n_size, int64_t m, uint16_t* y) {
   const int64_t n0 = block * kBlock;
@@ -192,9 +227,30 @@ void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
         }
         for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, n_size, 0, y);
       }
-    } else {  // up to four row blocks per pass over one output block; its tiles stay in cache after the first
+    } else {
+      int64_t block = b0;
+      if (m_size >= kPairRows) {  // pairs of output blocks, two row blocks at a time
+        for (; block + 1 < b1; block += 2) {
+          for (int64_t m = 0; m < m_size; m += 2 * kRows) {
+            const uint16_t* xr = x + m * lda;
+            if (m + kRows < m_size) {  // x is padded to whole row blocks: both are there
+              pairs_times(xr, lda, w, k_blocks, block, m == 0, c);
+              for (int64_t r = 0; r < 2; ++r)
+                for (int64_t j = 0; j < 2; ++j)
+                  store_rows(c + (2 * r + j) * kRows * kBlock, std::min(kRows, m_size - m - r * kRows), block + j,
+                             n_size, m + r * kRows, y);
+            } else {  // the last row block alone
+              for (int64_t j = 0; j < 2; ++j) {
+                rows_times<1>(xr, lda, w, k_blocks, block + j, false, c);
+                store_rows(c, m_size - m, block + j, n_size, m, y);
+              }
+            }
+          }
+        }
+      }
+      // Up to four row blocks per pass over one output block; its tiles stay in cache after the first.
       constexpr int64_t kChunk = 4 * kRows;
-      for (int64_t block = b0; block < b1; ++block) {
+      for (; block < b1; ++block) {
         for (int64_t m = 0; m < m_size; m += kChunk) {
           const uint16_t* xr = x + m * lda;
           const bool fetch = m == 0;
