@@ -59,9 +59,9 @@ def packing_supported(dtype: torch.dtype) -> bool:
 # memory (benchmarks/bench_kernels.py's matmul rows): panels 1.1-1.5x oneDNN's throughput from 1 to
 # 64 rows and level at 128; 1.3-4.5x F.linear's up to 128 rows, level with it at 512, 0.96x at 1024
 # and 0.95x at 2048. On an AVX-512 Xeon, with the tile spanning four panels: 1.4-1.6x oneDNN from 1
-# to 16 rows, 1.1x at 64, level at 128-512; whole decode steps 1.23x at batch 16 (paired, in one
-# process), 1.13x at 32, 1.07x at 64, 1.05x at 1, but prefills of 512 tokens 0.93x F.linear's
-# (README). Past panel_max_rows() F.linear takes over. PDSERVE_FLOAT_PACKING=panels or =onednn
+# to 16 rows, 1.1x at 64, level at 128-512; whole decode steps 1.22-1.30x at batch 16 (paired, in
+# one process), 1.13-1.14x at 32, 1.05-1.07x at 64, 1.05-1.17x at 1, but prefills of 512 tokens
+# 0.93x F.linear's (README). Past panel_max_rows() F.linear takes over. PDSERVE_FLOAT_PACKING=panels or =onednn
 # overrides the rule.
 FLOAT_PACKINGS = ("panels", "onednn")
 
