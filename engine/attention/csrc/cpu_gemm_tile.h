@@ -97,20 +97,20 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + i * ldo, m, acc[i]);
 }
 
-// The wider tile panel_linear uses here: MR rows times NP neighbouring panels (NP * 16 columns)
-// over reduction steps [k0, k1), added into out (or starting from zero when `first`; a float32
-// store and reload is exact, so the sums are the same FMA chains as in one pass), the last panel's
-// first `cols` columns stored. Each x broadcast feeds NP FMAs instead of one: with weights streaming
-// from memory, 16 rows in tiles of 6 x 4 read them 1.3x faster than tiles of 12 x 1, which are bound
-// by their loads (one broadcast per FMA); on weights in L1 the 6 x 4 tile runs 110-150 GFLOP/s a
-// core, against 80-125 for 12 x 1 (FMA peak 172).
+// The wider tile panel_linear and int8_gemm use here: MR rows times NP neighbouring panels (NP * 16
+// columns) over reduction steps [k0, k1), added into out (or starting from zero when `first`; a
+// float32 store and reload is exact, so the sums are the same FMA chains as in one pass), then column
+// j scaled by row_scale[j] if given, the last panel's first `cols` columns stored. Each x broadcast
+// feeds NP FMAs instead of one: with weights streaming from memory, 16 rows in tiles of 6 x 4 read
+// them 1.3x faster than tiles of 12 x 1, which are bound by their loads (one broadcast per FMA); on
+// weights in L1 the 6 x 4 tile runs 110-150 GFLOP/s a core, against 80-125 for 12 x 1 (FMA peak 172).
 constexpr int kGroupRows = 6;    // 6 x 4 accumulators + 4 panel vectors: 28 of 32 registers
 constexpr int kGroupPanels = 4;
 constexpr int64_t kGroupSteps = 128;  // k steps per pass over the rows: 4 panels' 32 KiB stay in L1
 
 template <int MR, int NP, typename W>
 inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0, int64_t k1,
-                        float* out, int64_t ldo, int64_t cols, bool first) {
+                        float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale) {
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -131,6 +131,15 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
+  if (row_scale != nullptr) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const __m512 sv = j + 1 < NP ? _mm512_loadu_ps(row_scale + j * kPanel)
+                                   : _mm512_maskz_loadu_ps(last, row_scale + j * kPanel);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_mul_ps(acc[i][j], sv);
+    }
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
@@ -142,22 +151,22 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
 // `micro_group<MR, NP>` for the rows and panel count chosen at run time.
 template <int NP, int MR = kGroupRows, typename W>
 inline void micro_group_rows(int rows, const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0,
-                             int64_t k1, float* out, int64_t ldo, int64_t cols, bool first) {
+                             int64_t k1, float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale) {
   if constexpr (MR > 0) {
-    if (rows == MR) return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
-    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
+    if (rows == MR) return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
   }
 }
 
 template <typename W>
 inline void micro_group_any(int panels_here, int rows, const float* x, int64_t ldx, const W* panels,
                             int64_t panel_size, int64_t k0, int64_t k1, float* out, int64_t ldo, int64_t cols,
-                            bool first) {
+                            bool first, const float* row_scale = nullptr) {
   switch (panels_here) {
-    case 4: return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
-    case 3: return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
-    case 2: return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
-    default: return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first);
+    case 4: return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    case 3: return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    case 2: return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    default: return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
   }
 }
 #elif PDSERVE_GEMM_ISA == 256
