@@ -151,6 +151,15 @@ def run_compile(dtype: torch.dtype, token_counts: list[int], rounds: int, min_s:
 
 # Our layout per weight dtype: float32 in panels, bfloat16 in AMX tiles; each against oneDNN's packing.
 OUR_LAYOUT = {torch.float32: "panels", torch.bfloat16: "amx"}
+LAYOUT_NAME = {"panels": "panels", "amx": "AMX tiles"}
+
+
+def matmul_title(dtype: torch.dtype) -> str:
+    """The title of run_matmuls' table for `dtype`."""
+    name, layout = str(dtype).removeprefix("torch."), LAYOUT_NAME[OUR_LAYOUT[dtype]]
+    return (f"a decode step's {name} matmuls (bench model): weights in {layout} vs oneDNN's packing vs F.linear "
+            "(ms per step and GB/s of weights, medians of alternated rounds; sum_gb_s: a plain sum's read rate; "
+            f"ratios: medians of the paired ratios, > 1: {layout} faster)")
 
 
 def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.float32) -> list[dict]:
@@ -351,37 +360,26 @@ def main(argv: list[str]) -> None:
     if not args.no_matmuls:
         matmul_rows = run_matmuls([1, 16, 256] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 512, 1024],
                                   rounds=2 if args.quick else 4)
-        write_report("kernels_matmul", matmul_rows,
-                     title="a decode step's float32 matmuls (bench model): weights in panels vs oneDNN's packing "
-                           "vs F.linear (ms per step and GB/s of weights, medians of alternated rounds; sum_gb_s: "
-                           "a plain sum's read rate; ratios: medians of the paired ratios, > 1: panels faster)",
+        write_report("kernels_matmul", matmul_rows, title=matmul_title(torch.float32),
                      meta={"threads": torch.get_num_threads(), "float_packing_here": _float_packing(),
                            "quick": args.quick})
     if not args.no_matmuls:
         matmul_rows = run_matmuls([1, 16, 256] if args.quick else [1, 4, 16, 32, 64, 128, 512],
                                   rounds=2 if args.quick else 6, dtype=torch.bfloat16)
         if any("amx_ms" in row for row in matmul_rows):
-            write_report("kernels_matmul_bf16", matmul_rows,
-                         title="a decode step's bfloat16 matmuls (bench model): weights in AMX tiles vs oneDNN's "
-                               "packing vs F.linear (ms per step and GB/s of weights, medians of alternated "
-                               "rounds; sum_gb_s: a plain sum's read rate; ratios: medians of the paired ratios, "
-                               "> 1: AMX tiles faster)",
+            write_report("kernels_matmul_bf16", matmul_rows, title=matmul_title(torch.bfloat16),
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_packing_steps:
-        step_rows = run_packing_steps(rounds=2 if args.quick else 6)
-        if step_rows:
-            write_report("kernels_packing_steps", step_rows,
-                         title="steps of the bench model, float32 weights in panels vs oneDNN's packing (ms per "
-                               "step, medians; both engines in this process, alternated; panels_speedup: median of "
-                               "the paired ratios, > 1: panels faster)",
-                         meta={"threads": torch.get_num_threads(), "quick": args.quick})
-        step_rows = run_packing_steps(rounds=2 if args.quick else 6, dtype="bfloat16")
-        if step_rows:
-            write_report("kernels_bf16_packing_steps", step_rows,
-                         title="steps of the bench model, bfloat16 weights in AMX tiles vs oneDNN's packing (ms "
-                               "per step, medians; both engines in this process, alternated; amx_speedup: median "
-                               "of the paired ratios, > 1: AMX tiles faster)",
-                         meta={"threads": torch.get_num_threads(), "quick": args.quick})
+        for name, table in (("float32", "kernels_packing_steps"), ("bfloat16", "kernels_bf16_packing_steps")):
+            step_rows = run_packing_steps(rounds=2 if args.quick else 6, dtype=name)
+            if step_rows:
+                ours = OUR_LAYOUT[getattr(torch, name)]
+                write_report(table, step_rows,
+                             title=f"steps of the bench model, {name} weights in "
+                                   f"{LAYOUT_NAME[ours]} vs oneDNN's packing (ms per step, medians; both engines in "
+                                   f"this process, alternated; {ours}_speedup: median of the paired ratios, > 1: "
+                                   f"{LAYOUT_NAME[ours]} faster)",
+                             meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_compile:
         compile_rows = run_compile(torch.float32, [1, 16, 64], rounds, min_s=0.005 if args.quick else 0.02)
         write_report("kernels_compile", compile_rows,

@@ -114,8 +114,6 @@ def test_layers_linear_takes_panels_from_two_rows_and_keeps_shape_and_bias():
     ("onednn", "onednn"),
 ])
 def test_the_packing_rule_and_its_override(monkeypatch, setting, expected):
-    if not layers.panels_supported():
-        pytest.skip("our panel kernel is not built with vector code on this CPU")
     monkeypatch.setenv("PDSERVE_FLOAT_PACKING", setting)
     layers.float_packing.cache_clear()
     try:
