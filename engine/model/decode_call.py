@@ -9,7 +9,7 @@ path's to the bit; this module decides when that loop can stand in for the modul
 - the CPU attention backend and the fused KV write (what model_runner picks with the kernels);
 - one tensor-parallel rank (the loop has no all-reduce), and, per weight, a matmul path the loop
   has (`linear_path`: not the widened bf16 one of AVX2 CPUs at 16+ rows, and int8 weights only
-  through our kernel, in a float32 model).
+  through our register kernel or GEMM, not the slabs, in a float32 model).
 
 Anything else runs the modules, as does every step with PDSERVE_DECODE_CALL=0.
 """
@@ -31,17 +31,19 @@ from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
 LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6,
-                "amx": 7}
+                "amx": 7, "int8_gemm": 8}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:
     """The path layers.linear takes through `module` for `rows` rows of input, or None where it is
-    one the C++ loop does not have (int8 weights past our kernel's rows, widened bf16)."""
+    one the C++ loop does not have (int8 weights past our GEMM's rows, widened bf16)."""
     if module.quantized is not None:
         q = module.quantized
-        if not (isinstance(q, Int8Linear) and q.kernel_takes(rows)):
+        if not isinstance(q, Int8Linear):
             return None
-        return "int8_a8" if q.int8_activations else "int8"
+        if q.kernel_takes(rows):
+            return "int8_a8" if q.int8_activations else "int8"
+        return "int8_gemm" if q.gemm_takes(rows) else None
     path = model_layers.linear_path(module.weight, module.packed_weight, module.one_row, rows)
     return None if path == "widened" else path
 
@@ -89,7 +91,7 @@ class DecodeCall:
         if rows not in self.paths:
             named = [linear_path(m, rows) for m in self.linears]
             # Our int8 kernel takes float32 rows; in a half model the modules convert around it.
-            if ("int8" in named or "int8_a8" in named) and self.norms[0].dtype != torch.float32:
+            if {"int8", "int8_a8", "int8_gemm"} & set(named) and self.norms[0].dtype != torch.float32:
                 named.append(None)
             self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
         return self.paths[rows]

@@ -12,8 +12,9 @@ again in groups of 32 gives back the file's own integers and scales exactly (`qu
 rounded a second time.
 
 Kernels:
-- up to SMALL_ROWS rows of x (decode): our AVX2 kernel (csrc/cpu_int8_linear.cpp), which widens
-  the int8 weight in registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows (with group
+- up to SMALL_ROWS rows of x (decode; SMALL_ROWS_AVX512 where the GEMM has its AVX-512 tile, with
+  weight-only int8): our AVX2 kernel (csrc/cpu_int8_linear.cpp), which widens the int8 weight in
+  registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows (with group
   scales, each widened weight is multiplied by its scale first: about 10% slower than row scales;
   measured on an AVX2-only EPYC, one thread);
 - more rows (prefill): our GEMM (csrc/cpu_int8_gemm.cpp), which widens 16 weight rows at a time
@@ -67,6 +68,9 @@ Q8_0_GROUP = 32  # weights per scale in GGUF's Q8_0 blocks
 METHODS = ("int8", "q8_0")
 ACT_BLOCK = 32  # activations per int8 scale with int8_activations (the kernel's kActBlock)
 SMALL_ROWS = 24  # at and below: the register kernel; above: the GEMM (measured crossover 24-32)
+# With the GEMM's AVX-512 tile the crossover is lower: on the AMX Xeon (a step's 48 matmuls, 2 threads,
+# paired) the GEMM ran 0.94-0.95x the register kernel at 8 rows, 1.18x at 10, 1.32-1.38x at 16.
+SMALL_ROWS_AVX512 = 8
 SLAB_ROWS = 512  # weight rows widened at a time: 512 x 4096 float32 = 8 MiB at most
 GEMM_MAX_ROWS_AVX2 = 128  # past it, on CPUs without AVX-512, the slabs (see the docstring)
 
@@ -119,6 +123,12 @@ def gemm_available() -> bool:
     return cpu_kernels.available() and bool(torch.ops.pdserve_cpu.gemm_tile_isa())
 
 
+def register_max_rows(gemm_isa: int, int8_activations: bool) -> int:
+    """The most rows of x our register kernel takes; more go to the GEMM. int8 activations keep
+    SMALL_ROWS on every CPU: which rows are rounded to int8 is part of what that option means."""
+    return SMALL_ROWS_AVX512 if gemm_isa == 512 and not int8_activations else SMALL_ROWS
+
+
 def gemm_max_rows(cpu_flags: frozenset[str]) -> int | None:
     """The most rows of x the GEMM takes on a CPU with these flags (None: any number)."""
     return None if "avx512f" in cpu_flags else GEMM_MAX_ROWS_AVX2
@@ -166,10 +176,12 @@ class Int8Linear:
         # The kernel's blocks of x must tile the row and fall inside one weight group each.
         self.int8_activations = (int8_activations and self.in_features % ACT_BLOCK == 0
                                  and (group is None or (group % ACT_BLOCK == 0 and group & (group - 1) == 0)))
+        isa = torch.ops.pdserve_cpu.gemm_tile_isa() if self.use_gemm else 0
+        self.register_rows = register_max_rows(isa, self.int8_activations)
 
     def kernel_takes(self, rows: int) -> bool:
         """Whether `rows` rows of x go through our register kernel (else the GEMM, or float32 slabs)."""
-        return self.use_kernel and rows <= SMALL_ROWS
+        return self.use_kernel and rows <= self.register_rows
 
     def gemm_takes(self, rows: int) -> bool:
         """Whether `rows` rows of x (past the register kernel's) go through our GEMM, else the slabs."""

@@ -28,14 +28,16 @@ class Twice:
 
     def __init__(self, monkeypatch) -> None:
         self.one_call_steps = 0
+        self.one_call_rows: list[int] = []  # the rows of each step the loop ran
         self.module_steps = 0
         self.mismatches: list[str] = []
         original = llama.LlamaModel.forward
         ran = decode_call.DecodeCall.run
 
-        def run(plan, *args, **kwargs):
+        def run(plan, hidden, *args, **kwargs):
             self.one_call_steps += 1
-            return ran(plan, *args, **kwargs)
+            self.one_call_rows.append(hidden.shape[0])
+            return ran(plan, hidden, *args, **kwargs)
 
         def forward(model, input_ids, positions, kv_caches, meta, attend, write_kv):
             before = self.one_call_steps
@@ -154,22 +156,34 @@ def test_one_call_in_bfloat16_equals_the_modules_for_each_bf16_packing(model_dir
 @pytest.mark.parametrize("name, method", [("llama", "int8"), ("qwen2", "q8_0"), ("tied", "q8_0")])
 def test_one_call_with_int8_weights_equals_the_modules(model_dir, monkeypatch, name, method):
     """int8 layers (a scale per row or per 32 weights, qwen2's q/k/v biases inside them) run our
-    int8 kernel in the loop as in the modules; past its rows (a batch over quant.SMALL_ROWS) the
-    modules take the step."""
-    from pdserve.engine.model.quant import SMALL_ROWS
+    int8 kernel in the loop as in the modules, and past its rows our int8 GEMM; past the GEMM's
+    rows (the float32 slabs of AVX2 CPUs) the modules take the step."""
+    from pdserve.engine.model import quant
 
     llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=256, quantization=method)
     try:
+        model = llm.engine.client.engine_core.executor.worker.runner.model
+        int8_layers = [m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None]
         twice = Twice(monkeypatch)
         llm.generate(prompts(1, seed=5), GREEDY)
         llm.generate(prompts(3, seed=6), GREEDY)
         one_call = twice.one_call_steps
         big = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        outputs = llm.generate(prompts(SMALL_ROWS + 2, seed=7), big)
+        rows = max(q.register_rows for q in int8_layers) + 2
+        llm.generate(prompts(rows, seed=7), big)  # decode steps of `rows` rows: the GEMM, in the loop
+        gemm_rows = twice.one_call_rows[one_call:]
+        for q in int8_layers:  # as on an AVX2 CPU, with a limit small enough to reach
+            q.gemm_max_rows = rows - 1
+        decode_call.forget(model)
+        before = twice.one_call_steps
+        outputs = llm.generate(prompts(rows, seed=8), big)
+        slab_rows = twice.one_call_rows[before:]
     finally:
         llm.shutdown()
     assert one_call >= 20 and twice.mismatches == []
-    assert twice.one_call_steps == one_call  # every step of the big batch ran the modules
+    assert all(not q.kernel_takes(rows) and q.gemm_takes(rows - 1) == quant.gemm_available() for q in int8_layers)
+    assert (gemm_rows.count(rows) >= 2) == quant.gemm_available()
+    assert rows not in slab_rows  # every step past the GEMM's rows ran the modules
     assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
 
 

@@ -129,6 +129,10 @@ def test_layer_rounds_activations_in_decode_rows_only(kernels_ready):
     assert not torch.equal(layer(few), plain(few))
     many = torch.randn(quant.SMALL_ROWS + 1, 64, generator=gen)  # a prefill chunk: float activations
     assert torch.equal(layer(many), plain(many))
+    # Rounded rows are the same on every CPU, though weight-only int8 may hand fewer rows to its kernel.
+    assert layer.register_rows == quant.SMALL_ROWS >= plain.register_rows
+    edge = torch.randn(quant.SMALL_ROWS, 64, generator=gen)
+    assert torch.equal(layer(edge), torch.ops.pdserve_cpu.int8_linear_a8(edge, layer.qweight, layer.scales) + bias)
     # Rows that do not split into blocks of 32, or groups smaller than a block: float activations.
     assert not Int8Linear(torch.randn(8, 40), int8_activations=True).int8_activations
     assert not Int8Linear(torch.randn(8, 64), group=16, int8_activations=True).int8_activations
@@ -139,7 +143,9 @@ def test_the_one_call_decode_step_takes_the_int8_activation_path(kernels_ready, 
     llm = LLM(model_dir("llama"), dtype="float32", quantization="q8_0", int8_activations=True, num_kv_blocks=64)
     model = llm.engine.client.engine_core.executor.worker.runner.model
     assert linear_path(model.model.layers[0].mlp.down_proj, 1) == "int8_a8"
-    assert linear_path(model.model.layers[0].mlp.down_proj, quant.SMALL_ROWS + 1) is None
+    past = "int8_gemm" if quant.gemm_available() else None  # float activations, as in the modules
+    assert linear_path(model.model.layers[0].mlp.down_proj, quant.SMALL_ROWS) == "int8_a8"
+    assert linear_path(model.model.layers[0].mlp.down_proj, quant.SMALL_ROWS + 1) == past
     llm.shutdown()
 
 

@@ -102,22 +102,34 @@ def test_int8_gemm_gives_a_row_the_same_result_in_any_batch(kernels_ready):
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(200, 576, generator=gen)
     q = torch.randint(-127, 128, (100, 576), dtype=torch.int8, generator=gen)
-    # Group scales (Q8_0) and row scales; on AVX-512, 16 rows and more take the four-panel tile and
+    # Group scales (Q8_0) and row scales; on AVX-512, 10 rows and more take the four-panel tile and
     # fewer the one-panel one: a row gets the same bits either way.
     for scales in (torch.rand(100, 18, generator=gen) * 0.02, torch.rand(100, generator=gen) * 0.02):
         whole = torch.ops.pdserve_cpu.int8_gemm(x, q, scales)
-        for lo, hi in ((0, 1), (5, 18), (20, 36), (150, 200)):
+        for lo, hi in ((0, 1), (5, 14), (20, 30), (40, 50), (150, 200)):
             assert torch.equal(torch.ops.pdserve_cpu.int8_gemm(x[lo:hi], q, scales), whole[lo:hi])
 
 
-def test_int8_layer_takes_the_gemm_past_the_register_kernels_rows(kernels_ready):
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_layer_takes_the_gemm_past_the_register_kernels_rows(kernels_ready, group):
     if not quant.gemm_available():
         pytest.skip("no vectorized int8 GEMM here")
     gen = torch.Generator().manual_seed(9)
-    layer = Int8Linear(torch.randn(48, 64, generator=gen), group=32)
-    x = torch.randn(quant.SMALL_ROWS + 1, 64, generator=gen)
-    assert not layer.kernel_takes(x.shape[0]) and layer.use_gemm
+    layer = Int8Linear(torch.randn(48, 64, generator=gen), group=group)
+    isa = torch.ops.pdserve_cpu.gemm_tile_isa()
+    assert layer.register_rows == quant.register_max_rows(isa, False)
+    at_limit = torch.randn(layer.register_rows, 64, generator=gen)
+    x = torch.randn(layer.register_rows + 1, 64, generator=gen)
+    assert layer.kernel_takes(at_limit.shape[0]) and not layer.kernel_takes(x.shape[0]) and layer.use_gemm
+    assert torch.equal(layer(at_limit), torch.ops.pdserve_cpu.int8_linear(at_limit, layer.qweight, layer.scales))
     assert torch.equal(layer(x), torch.ops.pdserve_cpu.int8_gemm(x, layer.qweight, layer.scales))
+
+
+def test_register_kernel_rows_are_fewer_only_with_the_avx512_gemm_and_weight_only_int8():
+    assert quant.register_max_rows(512, False) == quant.SMALL_ROWS_AVX512 < quant.SMALL_ROWS
+    assert quant.register_max_rows(512, True) == quant.SMALL_ROWS  # int8 activations round the same rows
+    assert quant.register_max_rows(256, False) == quant.register_max_rows(0, False) == quant.SMALL_ROWS
+    assert Int8Linear(torch.randn(8, 64), use_kernel=False).register_rows == quant.SMALL_ROWS
 
 
 def test_gemm_row_limit_holds_only_on_cpus_without_avx512():

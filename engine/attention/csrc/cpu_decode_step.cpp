@@ -19,7 +19,7 @@ namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
 enum LinearPath : int64_t {
-  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7
+  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7, kInt8Gemm = 8
 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
@@ -43,6 +43,7 @@ struct Ops {
   c10::TypedOperatorHandle<FloatLinear> float_linear = typed_op<FloatLinear>("pdserve_cpu::float_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear = typed_op<Int8Linear>("pdserve_cpu::int8_linear");
   c10::TypedOperatorHandle<Int8Linear> int8_linear_a8 = typed_op<Int8Linear>("pdserve_cpu::int8_linear_a8");
+  c10::TypedOperatorHandle<Int8Linear> int8_gemm = typed_op<Int8Linear>("pdserve_cpu::int8_gemm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
   c10::TypedOperatorHandle<PanelLinear> amx_linear = typed_op<PanelLinear>("pdserve_cpu::amx_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
@@ -68,9 +69,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
     case kInt8:
-    case kInt8A8: {
+    case kInt8A8:
+    case kInt8Gemm: {
       TORCH_CHECK(packed.has_value(), "decode_layers: an int8 path without scales");
-      at::Tensor y = (path == kInt8 ? ops().int8_linear : ops().int8_linear_a8).call(x, weight, *packed);
+      const auto& op = path == kInt8 ? ops().int8_linear : path == kInt8A8 ? ops().int8_linear_a8 : ops().int8_gemm;
+      at::Tensor y = op.call(x, weight, *packed);
       return bias.has_value() ? y.add_(*bias) : y;
     }
     case kKernel:

@@ -187,11 +187,12 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   float* op = out.data_ptr<float>();
   const int64_t panels = (n_size + kPanel - 1) / kPanel;
 #if PDSERVE_GEMM_ISA == 512
-  // From 16 rows, four panels at a time through the wider tile (cpu_gemm_tile.h's micro_group), in
+  // From 10 rows, four panels at a time through the wider tile (cpu_gemm_tile.h's micro_group), in
   // slices of k half as long so the four stay in L1: the same FMA chains, outputs bit-identical. On
-  // the AVX-512 Xeon (a step's 48 matmuls, 2 threads, paired): 1.11-1.16x at 16 rows, 1.22-1.26x at
-  // 64, 1.31-1.44x at 256; at 2-8 rows, where widening the weights is the cost, 0.92-0.95x.
-  constexpr int64_t kGroupMinRows = 16;
+  // the AVX-512 Xeon (a step's 48 matmuls, 2 threads, paired): 0.99-1.08x at 10 rows, 1.11-1.16x at
+  // 16, 1.22-1.26x at 64, 1.31-1.44x at 256; at 2-8 rows, where widening the weights is the cost,
+  // 0.89-0.98x.
+  constexpr int64_t kGroupMinRows = 10;
   if (m_size >= kGroupMinRows) {
     int8_gemm_grouped(xp, ldx, wp, sp, grouped, ldg, group, m_size, n_size, k_size, op);
     return out;
