@@ -78,6 +78,8 @@ def test_grouped_kernel_equals_the_float32_kernel_on_the_dequantized_weight(kern
 
 @pytest.mark.parametrize("rows, out_features, in_features, group", [
     (25, 40, 600, 8),      # reduction slices of 256 with a tail of 88, groups of 8 crossing them
+    (12, 40, 576, 96),     # groups of 96 that slices of k start inside (AVX-512's 128 from 10 rows: 96-191)
+    (5, 40, 600, 24),      # and the same where a slice of 256 starts a group's middle (240-263)
     (47, 16, 576, 32),     # one panel exactly, Q8_0's groups
     (300, 130, 1536, 32),  # two blocks of x rows, a part panel at the end
     (33, 1001, 577, None),  # row scales, a reduction that is no multiple of 16

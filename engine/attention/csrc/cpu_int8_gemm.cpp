@@ -105,19 +105,23 @@ void build_panel(const int8_t* w, int64_t k_size, int64_t rows, int64_t k0, int6
   // multiples of 8, so a run of 16 weights holds at most a few groups: the scale vector is rebuilt
   // where a group starts.
   float scale[kPanel] = {};
-  int64_t scale_group = -1;
+  // The group holding k0 + k + i and where the next one starts, kept by counting: a division per
+  // weight column cost more than the widening itself.
+  int64_t g = gs != nullptr ? k0 / group : 0, next = gs != nullptr ? (g + 1) * group : INT64_MAX;
+  const auto load_scales = [&] {
+    for (int64_t j = 0; j < kPanel; ++j) scale[j] = j < rows ? gs[j * ldg + g] : 0.f;
+  };
+  if (gs != nullptr) load_scales();
   for (; k + 16 <= kc; k += 16) {
     __m128i r[16], t[16];
     for (int64_t j = 0; j < kPanel; ++j)
       r[j] = j < rows ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k_size + k0 + k)) : _mm_setzero_si128();
     transpose16x16_bytes(r, t);
     for (int64_t i = 0; i < 16; ++i) {
-      if (gs != nullptr) {
-        const int64_t g = (k0 + k + i) / group;
-        if (g != scale_group) {
-          for (int64_t j = 0; j < kPanel; ++j) scale[j] = j < rows ? gs[j * ldg + g] : 0.f;
-          scale_group = g;
-        }
+      if (k0 + k + i == next) {
+        ++g;
+        next += group;
+        load_scales();
       }
       widen_store(t[i], gs != nullptr ? scale : nullptr, panel + (k + i) * kPanel);
     }
