@@ -68,9 +68,18 @@ inline __m256 load8(const c10::BFloat16* p) {
 // row scales 10-11 -> 6.5-8 ms at one row and 12-15 -> 9-13 ms at four; group scales (which also
 // multiply each weight) 11-13 -> 7-11 ms at one row and two, no better at three and worse at four,
 // where they compute more than they wait. Past those rows the loops are compiled without it.
+// On the AVX-512 Xeon (a step's 48 matmuls of the bench model, 2 threads, in one process) asking
+// early still paid at more rows: row scales 1.33-1.39x at 2-4 rows, 1.16-1.21x at 5-6, 1.09x at 8;
+// group scales 1.25-1.36x at 2-4, 1.13-1.15x at 5-6, 1.00-1.14x at 8 (the register kernel's most
+// there, quant.SMALL_ROWS_AVX512).
 constexpr int kPrefetchTiles = 2;
+#if defined(__AVX512F__)
+constexpr int64_t kPrefetchMaxRows = 8;
+constexpr int64_t kPrefetchMaxRowsGrouped = 8;
+#else
 constexpr int64_t kPrefetchMaxRows = 4;
 constexpr int64_t kPrefetchMaxRowsGrouped = 2;
+#endif
 
 template <int NR>
 inline void prefetch_rows(const int8_t* w, int64_t ldw, int64_t k) {
