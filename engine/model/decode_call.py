@@ -90,7 +90,7 @@ class DecodeCall:
     def paths_for(self, rows: int) -> list[int] | None:
         if rows not in self.paths:
             named = [linear_path(m, rows) for m in self.linears]
-            # Our int8 kernel takes float32 rows; in a half model the modules convert around it.
+            # Our int8 kernels take float32 rows; in a half model the modules convert around them.
             if {"int8", "int8_a8", "int8_gemm"} & set(named) and self.norms[0].dtype != torch.float32:
                 named.append(None)
             self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
