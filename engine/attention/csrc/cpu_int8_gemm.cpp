@@ -97,14 +97,16 @@ inline void widen_store(__m128i bytes, const float* scale, float* p) {
 }
 #endif
 
-// `ahead` (ahead_rows rows, the same columns) is asked into L2 for the build that comes after.
+// The weights the build after this one reads (ahead_len bytes of ahead_rows rows from `ahead`) are
+// asked into L2 first.
 void build_panel(const int8_t* w, int64_t k_size, int64_t rows, int64_t k0, int64_t kc, const float* gs,
-                 int64_t ldg, int64_t group, float* panel, const int8_t* ahead = nullptr, int64_t ahead_rows = 0) {
+                 int64_t ldg, int64_t group, float* panel, const int8_t* ahead = nullptr, int64_t ahead_rows = 0,
+                 int64_t ahead_len = 0) {
   int64_t k = 0;
 #if PDSERVE_GEMM_ISA
   for (int64_t j = 0; j < ahead_rows; ++j)
-    for (int64_t c = 0; c < kc; c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * k_size + k0 + c), _MM_HINT_T1);
+    for (int64_t c = 0; c < ahead_len; c += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * k_size + c), _MM_HINT_T1);
   // 16 weights of each of the 16 rows at a time, turned k-major in registers. Groups are whole
   // multiples of 8, so a run of 16 weights holds at most a few groups: the scale vector is rebuilt
   // where a group starts.
@@ -136,6 +138,11 @@ void build_panel(const int8_t* w, int64_t k_size, int64_t rows, int64_t k0, int6
 
 #if PDSERVE_GEMM_ISA == 512
 // int8_gemm through micro_group: each thread's panels four at a time, widened a slice of k at a time.
+// All slices of a group are done before the next group, so the group's sums stay in L1 between
+// slices, and each weight row is read in order. The other order (every group per slice) sent an
+// lm_head's sums (16 rows x 32000) to L3 and back on every slice: on the AMX Xeon (paired, Q8_0
+// scales) this order ran the lm_head 1.13-1.21x faster at 10-64 rows and 1.22-1.27x at 128-256,
+// a step's 48 layer matmuls 1.02-1.07x at 10-64 rows and level at 128-256.
 void int8_gemm_grouped(const float* xp, int64_t ldx, const int8_t* wp, const float* sp, bool grouped, int64_t ldg,
                        int64_t group, int64_t m_size, int64_t n_size, int64_t k_size, float* op) {
   using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows;
@@ -145,19 +152,23 @@ void int8_gemm_grouped(const float* xp, int64_t ldx, const int8_t* wp, const flo
     std::vector<float> slab(kGroupPanels * kGroupSliceK * kPanel);  // the four panels, one after another
     for (int64_t m0 = 0; m0 < m_size; m0 += kBlockM) {
       const int64_t mb = std::min(kBlockM, m_size - m0);
-      for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSliceK) {
-        const int64_t kc = std::min(kGroupSliceK, k_size - k0);
-        const bool first = k0 == 0, last = k0 + kc == k_size;
-        for (int64_t p = p0; p < p1; p += kGroupPanels) {
-          const int here = static_cast<int>(std::min<int64_t>(kGroupPanels, p1 - p));
+      for (int64_t p = p0; p < p1; p += kGroupPanels) {
+        const int here = static_cast<int>(std::min<int64_t>(kGroupPanels, p1 - p));
+        for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSliceK) {
+          const int64_t kc = std::min(kGroupSliceK, k_size - k0);
+          const bool first = k0 == 0, last = k0 + kc == k_size;
           for (int j = 0; j < here; ++j) {
-            // Each panel's build asks for the same panel of the next group: its 16 rows' pieces of
-            // this slice lie 16 row lengths apart, a pattern the hardware's prefetchers missed. On
-            // the AMX Xeon (a step's 48 matmuls, paired): 1.10-1.15x at 10-32 rows, 1.02-1.05x at 64-128.
+            // Each build asks for what the same panel's next build reads: its next slice, or after
+            // the last one the first slice of the next group's panel. A slice's 16 row pieces lie a
+            // row length apart, a pattern the hardware's prefetchers missed: 1.10-1.15x at 10-32
+            // rows, 1.02-1.05x at 64-128 (the 48 layer matmuls, in the other loop order).
             const int64_t n0 = (p + j) * kPanel, next = n0 + kGroupPanels * kPanel;
-            build_panel(wp + n0 * k_size, k_size, std::min(kPanel, n_size - n0), k0, kc,
-                        grouped ? sp + n0 * ldg : nullptr, ldg, group, slab.data() + j * kGroupSliceK * kPanel,
-                        wp + next * k_size, p + kGroupPanels < p1 ? std::min(kPanel, n_size - next) : 0);
+            const int64_t rows = std::min(kPanel, n_size - n0);
+            const int64_t next_rows = p + kGroupPanels < p1 ? std::max<int64_t>(0, std::min(kPanel, n_size - next)) : 0;
+            build_panel(wp + n0 * k_size, k_size, rows, k0, kc, grouped ? sp + n0 * ldg : nullptr, ldg, group,
+                        slab.data() + j * kGroupSliceK * kPanel,
+                        last ? wp + next * k_size : wp + n0 * k_size + k0 + kc, last ? next_rows : rows,
+                        std::min(kGroupSliceK, last ? k_size : k_size - k0 - kc));
           }
           const int64_t n0 = p * kPanel, cols = std::min(kPanel, n_size - (p + here - 1) * kPanel);
           const float* row_scale = !grouped && last ? sp + n0 : nullptr;
