@@ -14,9 +14,9 @@ rounded a second time.
 Kernels:
 - up to SMALL_ROWS rows of x (decode; SMALL_ROWS_AVX512 where the GEMM has its AVX-512 tile, with
   weight-only int8): our AVX2 kernel (csrc/cpu_int8_linear.cpp), which widens the int8 weight in
-  registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows (with group
-  scales, each widened weight is multiplied by its scale first: about 10% slower than row scales;
-  measured on an AVX2-only EPYC, one thread);
+  registers: 1.4-4x faster than float32 F.linear at 1 to 16 rows (with group scales, each widened
+  weight is multiplied by its scale first: about 10% slower than row scales; measured on an
+  AVX2-only EPYC, one thread);
 - more rows (prefill): our GEMM (csrc/cpu_int8_gemm.cpp), which widens 16 weight rows at a time
   into a float32 panel that every row of x then streams past. On a Zen 4 EPYC (2 threads,
   SmolLM2's layer shapes) it runs at oneDNN float32's rate, 185-200 GFLOP/s, where widening the
