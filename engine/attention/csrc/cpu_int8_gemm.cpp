@@ -145,37 +145,40 @@ void build_panel(const int8_t* w, int64_t k_size, int64_t rows, int64_t k0, int6
 // a step's 48 layer matmuls 1.02-1.07x at 10-64 rows and level at 128-256.
 void int8_gemm_grouped(const float* xp, int64_t ldx, const int8_t* wp, const float* sp, bool grouped, int64_t ldg,
                        int64_t group, int64_t m_size, int64_t n_size, int64_t k_size, float* op) {
-  using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows;
-  constexpr int64_t kGroupSliceK = kSliceK / 2;
+  using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows, pdserve_gemm::kGroupSteps;
   const int64_t panels = (n_size + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> slab(kGroupPanels * kGroupSliceK * kPanel);  // the four panels, one after another
+    std::vector<float> slab(kGroupPanels * kGroupSteps * kPanel);  // the four panels, one after another
     for (int64_t m0 = 0; m0 < m_size; m0 += kBlockM) {
       const int64_t mb = std::min(kBlockM, m_size - m0);
       for (int64_t p = p0; p < p1; p += kGroupPanels) {
         const int here = static_cast<int>(std::min<int64_t>(kGroupPanels, p1 - p));
-        for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSliceK) {
-          const int64_t kc = std::min(kGroupSliceK, k_size - k0);
+        for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSteps) {
+          const int64_t kc = std::min(kGroupSteps, k_size - k0);
           const bool first = k0 == 0, last = k0 + kc == k_size;
           for (int j = 0; j < here; ++j) {
             // Each build asks for what the same panel's next build reads: its next slice, or after
             // the last one the first slice of the next group's panel. A slice's 16 row pieces lie a
             // row length apart, a pattern the hardware's prefetchers missed: 1.10-1.15x at 10-32
             // rows, 1.02-1.05x at 64-128 (the 48 layer matmuls, in the other loop order).
-            const int64_t n0 = (p + j) * kPanel, next = n0 + kGroupPanels * kPanel;
-            const int64_t rows = std::min(kPanel, n_size - n0);
-            const int64_t next_rows = p + kGroupPanels < p1 ? std::max<int64_t>(0, std::min(kPanel, n_size - next)) : 0;
+            const int64_t n0 = (p + j) * kPanel, rows = std::min(kPanel, n_size - n0);
+            int64_t ahead_n0 = n0, ahead_k0 = k0 + kc, ahead_rows = rows;
+            if (last) {  // the next group's panel, from its first slice (none past the thread's panels)
+              ahead_n0 = n0 + kGroupPanels * kPanel;
+              ahead_k0 = 0;
+              ahead_rows = p + kGroupPanels < p1 ? std::max<int64_t>(0, std::min(kPanel, n_size - ahead_n0)) : 0;
+            }
             build_panel(wp + n0 * k_size, k_size, rows, k0, kc, grouped ? sp + n0 * ldg : nullptr, ldg, group,
-                        slab.data() + j * kGroupSliceK * kPanel,
-                        last ? wp + next * k_size : wp + n0 * k_size + k0 + kc, last ? next_rows : rows,
-                        std::min(kGroupSliceK, last ? k_size : k_size - k0 - kc));
+                        slab.data() + j * kGroupSteps * kPanel,
+                        ahead_rows > 0 ? wp + ahead_n0 * k_size + ahead_k0 : nullptr, ahead_rows,
+                        std::min(kGroupSteps, k_size - ahead_k0));
           }
           const int64_t n0 = p * kPanel, cols = std::min(kPanel, n_size - (p + here - 1) * kPanel);
           const float* row_scale = !grouped && last ? sp + n0 : nullptr;
           for (int64_t m = 0; m < mb; m += kGroupRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, mb - m));
             pdserve_gemm::micro_group_any(here, rows, xp + (m0 + m) * ldx + k0, ldx, slab.data(),
-                                          kGroupSliceK * kPanel, 0, kc, op + (m0 + m) * n_size + n0, n_size, cols,
+                                          kGroupSteps * kPanel, 0, kc, op + (m0 + m) * n_size + n0, n_size, cols,
                                           first, row_scale);
           }
         }
