@@ -29,7 +29,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attent
                                                                 "cpu_prefill_attention.cpp", "cpu_panel_linear.cpp",
                                                                 "cpu_amx_linear.cpp")]
 # Included by the sources: part of the build's name.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -102,6 +102,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      out: torch.Tensor) -> None:
     torch.ops.pdserve_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def decode_attention_amx_scores(head_dim: int, group: int) -> bool:
+    """Whether bfloat16 decode attention computes its scores on AMX for this head size and number
+    of query heads per KV head (only where the CPU has AMX)."""
+    return bool(torch.ops.pdserve_cpu.decode_attention_amx_scores(head_dim, group))
 
 
 if __name__ == "__main__":

@@ -164,3 +164,65 @@ def test_prefill_kernel_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="side by side"):
         # heads 64 floats apart, not 32: a head_dim slice of wider rows
         torch.ops.pdserve_cpu.prefill_attention(torch.randn(5, 4, 64)[..., :32], kv, kv, 1.0, torch.empty_like(q))
+
+
+def reference_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: list[int], scale: float) -> torch.Tensor:
+    """One query per request against its cached positions, in float64 from the same inputs."""
+    bs, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for r, n in enumerate(lens):
+        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(n)]
+        k = key_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [n, heads, D]
+        v = value_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", query[r].double(), k) * scale, dim=-1)
+        out[r] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, lens", [
+    (12, 4, 64, 16, [1, 15, 16, 17, 33, 257]),  # the bench model's groups of three
+    (9, 3, 64, 16, [2, 31, 64, 130]),  # SmolLM2's
+    (8, 8, 32, 8, [5, 8, 9, 40]),  # blocks shorter than a tile of 16 key rows
+    (16, 2, 128, 32, [31, 32, 33, 100]),  # two tiles per block, groups of eight
+    (6, 3, 96, 24, [23, 24, 25, 70]),  # blocks that end part way into their second tile
+    (4, 1, 256, 16, [20, 50]),  # a head too wide for the tiles: the vector loop
+])
+def test_bfloat16_decode_attention_against_float64(heads, kv_heads, head_dim, block_size, lens):
+    """bfloat16 decode attention (its scores on AMX on CPUs that have it) within a bfloat16 rounding
+    of the float64 result. The slots no request uses hold NaN: a tile of 16 key rows reads past a
+    request's last position, and nothing from there may reach an answer."""
+    assert cpu_kernels.available()
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 3
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    value_cache = key_cache.clone()
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    for r, n in enumerate(lens):
+        for p in range(n):
+            b = order.pop() if p % block_size == 0 else int(tables[r, p // block_size])
+            tables[r, p // block_size] = b
+            key_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).bfloat16()
+            value_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).bfloat16()
+    # A wider buffer's first rows, as the runner passes them: the query rows are strided.
+    query = (2 * torch.randn(len(lens) + 2, heads, head_dim, generator=g)).bfloat16()[: len(lens)]
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    cpu_kernels.decode_attention(query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
+                                 out)
+    expected = reference_decode(query, key_cache, value_cache, tables, lens, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=4e-3, atol=1e-5)
+
+
+def test_bfloat16_scores_run_on_amx_where_the_cpu_has_it():
+    from pdserve.engine.config import cpu_has_amx_bf16
+
+    assert cpu_kernels.available()
+    amx = cpu_has_amx_bf16()
+    for head_dim, group in [(64, 3), (32, 1), (128, 8), (96, 2)]:
+        assert cpu_kernels.decode_attention_amx_scores(head_dim, group) == amx
+    for head_dim, group in [(256, 4), (64, 9), (40, 2)]:  # too wide for the tiles; no vector loop
+        assert not cpu_kernels.decode_attention_amx_scores(head_dim, group)

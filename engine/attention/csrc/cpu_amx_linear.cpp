@@ -27,15 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define PDSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define PDSERVE_AMX 0
-#endif
+#include "cpu_amx.h"
 
 namespace {
 
@@ -47,20 +39,8 @@ constexpr int64_t kTile = kRows * kK;  // bf16 elements per tile
 
 #if PDSERVE_AMX
 
-// Linux gives a process AMX's 8 KiB of tile state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); asking again is harmless.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using pdserve_amx::permitted;
+using pdserve_amx::TileConfig;
 
 // Tiles 0-3 accumulate four output blocks, 4 holds `rows` rows of x, 5-7 the weight tiles in turn.
 // Fewer than 16 rows only for an x of fewer rows: a taller one is padded to whole tiles by the caller.
@@ -273,7 +253,7 @@ void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
 
 bool amx_linear_available() {
 #if PDSERVE_AMX
-  return amx_permitted();
+  return permitted();
 #else
   return false;
 #endif

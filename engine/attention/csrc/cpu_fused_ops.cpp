@@ -146,20 +146,22 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
 
 // exp(x) for x <= 0, vectorizable by the compiler (no library call): exp(x) = 2^n e^r with
 // n = round(x / ln 2) and |r| <= ln 2 / 2 from a two-part ln 2 (Cody-Waite), e^r by its Taylor
-// series to degree 7 (truncation below 1e-8). Within about 2 float32 ulps of expf; below -87 it
-// returns about 2^-126 (1e-38) instead of a denormal, which no caller can tell from 0.
+// series to degree 7 (truncation below 1e-8), its Horner steps fused multiply-adds (spelled out:
+// this file turns contraction off; SiLU ran 1.2-1.35x faster with them). Within about 2 float32
+// ulps of expf; below -87 it returns about 2^-126 (1e-38) instead of a denormal, which no caller
+// can tell from 0.
 PDSERVE_INLINE float exp_nonpositive(float x) {
   // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a library call.
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
   float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
+  p = __builtin_fmaf(p, r, 1.f / 720.f);
+  p = __builtin_fmaf(p, r, 1.f / 120.f);
+  p = __builtin_fmaf(p, r, 1.f / 24.f);
+  p = __builtin_fmaf(p, r, 1.f / 6.f);
+  p = __builtin_fmaf(p, r, 0.5f);
+  p = __builtin_fmaf(p, r, 1.f);
+  p = __builtin_fmaf(p, r, 1.f);
   // 2^n from the exponent bits, n kept to normal floats. The bound is an integer compare: a
   // float compare may trap, and then the compiler will not vectorize the loop around it.
   const int32_t ni = static_cast<int32_t>(n);
