@@ -224,5 +224,6 @@ def test_bfloat16_scores_run_on_amx_where_the_cpu_has_it():
     amx = cpu_has_amx_bf16()
     for head_dim, group in [(64, 3), (32, 1), (128, 8), (96, 2)]:
         assert cpu_kernels.decode_attention_amx_scores(head_dim, group) == amx
-    for head_dim, group in [(256, 4), (64, 9), (40, 2)]:  # too wide for the tiles; no vector loop
+    # A head too wide for the tiles, a group with no vector loop, a head of no whole tiles.
+    for head_dim, group in [(256, 4), (64, 9), (40, 2)]:
         assert not cpu_kernels.decode_attention_amx_scores(head_dim, group)

@@ -306,8 +306,8 @@ bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const sca
 // the CPU have it, the queries fit its tiles and the group has a vector loop to finish the rest.
 bool amx_scores_take(int64_t head_dim, int64_t group) {
 #if PDSERVE_AMX && defined(PDSERVE_SIMD)
-  return group >= 1 && group <= 8 && head_dim % Vec::L == 0 && head_dim % kDims == 0 && head_dim / kDims <= 4 &&
-         pdserve_amx::permitted();
+  return group >= 1 && group <= 8 && head_dim % Vec::L == 0 &&
+         amx_scores_fit(static_cast<int>(head_dim), static_cast<int>(group)) && pdserve_amx::permitted();
 #else
   return false;
 #endif
