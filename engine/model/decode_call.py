@@ -9,7 +9,8 @@ path's to the bit; this module decides when that loop can stand in for the modul
 - the CPU attention backend and the fused KV write (what model_runner picks with the kernels);
 - one tensor-parallel rank (the loop has no all-reduce), and, per weight, a matmul path the loop
   has (`linear_path`: not the widened bf16 one of AVX2 CPUs at 16+ rows, and int8 weights only
-  through our register kernel or GEMM, not the slabs, in a float32 model).
+  through our register kernel or GEMM, not the slabs, in a float32 model, or in AMX tiles in a
+  bfloat16 one).
 
 Anything else runs the modules, as does every step with PDSERVE_DECODE_CALL=0.
 """
@@ -31,7 +32,7 @@ from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
 LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6,
-                "amx": 7, "int8_gemm": 8}
+                "amx": 7, "int8_gemm": 8, "amx_int8": 9}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:
@@ -41,6 +42,8 @@ def linear_path(module: nn.Module, rows: int) -> str | None:
         q = module.quantized
         if not isinstance(q, Int8Linear):
             return None
+        if q.tiles is not None:
+            return "amx_int8"
         if q.kernel_takes(rows):
             return "int8_a8" if q.int8_activations else "int8"
         return "int8_gemm" if q.gemm_takes(rows) else None
@@ -75,11 +78,12 @@ class DecodeCall:
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         norms = [n.weight for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         attn = layers[0].self_attn
-        # An int8 layer passes its int8 values as the weight, its scales where a packed weight goes,
-        # and the bias it holds (column-parallel ones move into quant.Int8Linear). A float weight's
-        # prepacked copy (oneDNN's, panels or AMX tiles) goes there too; the weight still gives its shape.
+        # An int8 layer passes its int8 values (in rows or AMX tiles) as the weight, its scales where
+        # a packed weight goes, and the bias it holds (column-parallel ones move into
+        # quant.Int8Linear). A float weight's prepacked copy (oneDNN's, panels or AMX tiles) goes
+        # there too; the weight still gives its shape.
         return cls(norms=norms + [model.norm.weight], linears=linears,
-                   weights=[m.weight if m.quantized is None else m.quantized.qweight for m in linears],
+                   weights=[m.weight if m.quantized is None else _int8_values(m.quantized) for m in linears],
                    packed=[m.packed_weight if m.quantized is None else m.quantized.scales for m in linears],
                    biases=[m.bias if m.quantized is None or m.bias is not None else m.quantized.bias
                            for m in linears],
@@ -90,8 +94,11 @@ class DecodeCall:
     def paths_for(self, rows: int) -> list[int] | None:
         if rows not in self.paths:
             named = [linear_path(m, rows) for m in self.linears]
-            # Our int8 kernels take float32 rows; in a half model the modules convert around them.
+            # Our int8 kernels take float32 rows (in a half model the modules convert around them),
+            # the AMX one bfloat16 rows.
             if {"int8", "int8_a8", "int8_gemm"} & set(named) and self.norms[0].dtype != torch.float32:
+                named.append(None)
+            if "amx_int8" in named and self.norms[0].dtype != torch.bfloat16:
                 named.append(None)
             self.paths[rows] = None if None in named else [LINEAR_PATHS[p] for p in named]
         return self.paths[rows]
@@ -102,6 +109,10 @@ class DecodeCall:
             hidden, positions, self.norms, self.weights, self.packed, self.biases, paths, kv_caches,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, self.cos, self.sin, self.rotary_dim,
             self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+
+
+def _int8_values(q: Int8Linear) -> torch.Tensor:
+    return q.tiles if q.tiles is not None else q.qweight
 
 
 def enabled() -> bool:

@@ -136,7 +136,7 @@ def bf16_packing() -> str:
 
 
 def to_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 [out, in] weight as AMX's B tiles, [ceil(out / 64), ceil(in / 32), 4, 16, 32]:
+    """A bfloat16 (or int8) [out, in] weight as AMX's B tiles, [ceil(out / 64), ceil(in / 32), 4, 16, 32]:
     tile [g][b][j] holds output rows 64g + 16j .. +15 and inputs 32b .. 32b + 31, input pairs
     interleaved (element [r][2c + h] = W[64g + 16j + c][32b + 2r + h]); zero past the weight's edges."""
     out_features, in_features = weight.shape
@@ -146,6 +146,14 @@ def to_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
     # [g][j][c][b][r][h] -> [g][b][j][r][c][h]
     tiles = padded.view(groups, 4, 16, k_blocks, 16, 2).permute(0, 3, 1, 4, 2, 5)
     return tiles.reshape(groups, k_blocks, 4, 16, 32).contiguous()
+
+
+def from_amx_tiles(tiles: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out, in] weight `to_amx_tiles` laid out as `tiles`."""
+    groups, k_blocks = tiles.shape[:2]
+    # [g][b][j][r][c][h] -> [g][j][c][b][r][h]
+    rows = tiles.view(groups, k_blocks, 4, 16, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(groups * 64, k_blocks * 32)
+    return rows[:out_features, :in_features].contiguous()
 
 
 def is_amx_tiles(packed: torch.Tensor) -> bool:

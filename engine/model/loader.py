@@ -92,7 +92,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
     model.eval()
     if cfg.quantization:
         # After loading, so each tensor-parallel rank quantizes its own shard.
-        from pdserve.engine.model.quant import kernel_available, quantize_model
+        from pdserve.engine.model.quant import quantize_model
 
         only = gguf_q8_0_modules(model, cfg) if cfg.keep_gguf_q8_0 else None
         count = quantize_model(model, cfg.quantization, only=only, lossless=cfg.keep_gguf_q8_0,
@@ -100,7 +100,7 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
         log.info("quantized %d weight matrices to %s%s%s (%s)", count, cfg.quantization,
                  ", as the GGUF file stores them" if cfg.keep_gguf_q8_0 else "",
                  ", int8 activations in decode steps" if cfg.int8_activations else "",
-                 "int8 kernels for decode and prefill" if kernel_available() else "float32 slabs only: no vectorized kernel")
+                 _int8_kernels(model))
     # The float weights left (all of them without quantization) get the CPU's fast paths.
     if os.environ.get("PDSERVE_PACK_WEIGHTS", "1") != "0":
         packed = pack_model_weights(model)
@@ -111,3 +111,12 @@ def load_model(cfg: ModelConfig, device: str | torch.device, progress: bool = Fa
     maybe_tune(model)
     log.info("loaded %s (%s, %s) in %.2fs", cfg.path, cfg.architecture, cfg.dtype, time.perf_counter() - start)
     return model
+
+
+def _int8_kernels(model: torch.nn.Module) -> str:
+    """Which kernels multiply the model's int8 weights, for the load log."""
+    from pdserve.engine.model.quant import kernel_available
+
+    if any(getattr(getattr(m, "quantized", None), "tiles", None) is not None for m in model.modules()):
+        return "bfloat16 rows on AMX tiles"
+    return "int8 kernels for decode and prefill" if kernel_available() else "float32 slabs only: no vectorized kernel"

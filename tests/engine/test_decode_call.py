@@ -187,8 +187,12 @@ def test_one_call_with_int8_weights_equals_the_modules(model_dir, monkeypatch, n
     assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
 
 
-def test_int8_weights_in_a_half_model_go_through_the_modules(model_dir, monkeypatch):
-    llm = LLM(model_dir("llama"), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
+@pytest.mark.parametrize("dtype, method", [("bfloat16", "q8_0"), ("float16", "int8")])
+def test_int8_weights_on_float32_kernels_in_a_half_model_go_through_the_modules(model_dir, monkeypatch, dtype,
+                                                                                method):
+    """Our int8 kernels but the AMX one take float32 rows: in a half model (group scales in bf16,
+    any int8 in float16) the modules convert around them."""
+    llm = LLM(model_dir("llama"), dtype=dtype, num_kv_blocks=128, quantization=method)
     try:
         twice = Twice(monkeypatch)
         outputs = llm.generate(prompts(2, seed=5), GREEDY)
@@ -196,6 +200,26 @@ def test_int8_weights_in_a_half_model_go_through_the_modules(model_dir, monkeypa
         llm.shutdown()
     assert twice.one_call_steps == 0 and twice.module_steps >= 12  # every decode step too
     assert all(len(o.outputs[0].token_ids) == 12 for o in outputs)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_one_call_with_int8_weights_in_amx_tiles_equals_the_modules(model_dir, monkeypatch, name):
+    """A bfloat16 model's int8 weights (a scale per row) in AMX tiles: the loop multiplies them as
+    the modules do, for one row and several, qwen2's biases inside the layers included."""
+    from pdserve.engine.model import quant
+
+    if not quant.amx_available():
+        pytest.skip("no AMX here: int8 weights do not go in AMX tiles")
+    llm = LLM(model_dir(name), dtype="bfloat16", num_kv_blocks=128, quantization="int8")
+    try:
+        model = llm.engine.client.engine_core.executor.worker.runner.model
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        assert qkv.quantized.tiles is not None and decode_call.linear_path(qkv, 16) == "amx_int8"
+        twice = generate_twice(llm, monkeypatch, seeds=(5, 6))
+    finally:
+        llm.shutdown()
+    assert twice.one_call_steps >= 20 and twice.module_steps >= 2
+    assert twice.mismatches == []
 
 
 def test_pdserve_decode_call_0_turns_the_loop_off(model_dir, monkeypatch):

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_amx.h"
 
@@ -179,71 +180,256 @@ void pairs_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_bl
   store_accumulators<4>(c);
 }
 
+// Where a kernel's outputs go: y is [m_size, n_size] bfloat16; `scale`, when not null, multiplies
+// output column n before the rounding (int8 weights' row scales).
+struct Output {
+  uint16_t* y;
+  int64_t n_size;
+  const float* scale;
+};
+
 // Rows [m, m + rows) of output block `block` from c, row r of the block at c[r * 16], to bfloat16.
-inline void store_rows(const float* c, int64_t rows, int64_t block, int64_t n_size, int64_t m, uint16_t* y) {
+inline void store_rows(const float* c, int64_t rows, int64_t block, const Output& out, int64_t m) {
   const int64_t n0 = block * kBlock;
-  const int64_t cols = std::min(kBlock, n_size - n0);
+  const int64_t cols = std::min(kBlock, out.n_size - n0);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  const __m512 scale = out.scale ? _mm512_maskz_loadu_ps(mask, out.scale + n0) : _mm512_set1_ps(1.0f);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m256i v = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_load_ps(c + r * kBlock)));
-    _mm256_mask_storeu_epi16(y + (m + r) * n_size + n0, mask, v);
+    const __m512 v = out.scale ? _mm512_mul_ps(_mm512_load_ps(c + r * kBlock), scale) : _mm512_load_ps(c + r * kBlock);
+    _mm256_mask_storeu_epi16(out.y + (m + r) * out.n_size + n0, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
+// Up to 16 rows, output blocks [b0, b1): four per pass.
+void few_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks, int64_t b0,
+              int64_t b1, const Output& out) {
+  alignas(64) float c[kGroup * kRows * kBlock];
+  for (int64_t block = b0; block < b1; block += kGroup) {
+    const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
+    switch (nb) {
+      case 1: blocks_times<1>(x, lda, w, k_blocks, block, c); break;
+      case 2: blocks_times<2>(x, lda, w, k_blocks, block, c); break;
+      case 3: blocks_times<3>(x, lda, w, k_blocks, block, c); break;
+      default: blocks_times<4>(x, lda, w, k_blocks, block, c); break;
+    }
+    for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, out, 0);
+  }
+}
+
+// Past 16 rows (x padded to whole row blocks), output blocks [b0, b1) of the tiles at w; output
+// block `block` of w is block `block + first` of the output.
+void many_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks, int64_t b0,
+               int64_t b1, int64_t first, const Output& out) {
+  alignas(64) float c[kGroup * kRows * kBlock];
+  int64_t block = b0;
+  if (m_size >= kPairRows) {  // pairs of output blocks, two row blocks at a time
+    for (; block + 1 < b1; block += 2) {
+      for (int64_t m = 0; m < m_size; m += 2 * kRows) {
+        const uint16_t* xr = x + m * lda;
+        if (m + kRows < m_size) {  // x is padded to whole row blocks: both are there
+          pairs_times(xr, lda, w, k_blocks, block, m == 0, c);
+          for (int64_t r = 0; r < 2; ++r)
+            for (int64_t j = 0; j < 2; ++j)
+              store_rows(c + (2 * r + j) * kRows * kBlock, std::min(kRows, m_size - m - r * kRows), first + block + j,
+                         out, m + r * kRows);
+        } else {  // the last row block alone
+          for (int64_t j = 0; j < 2; ++j) {
+            rows_times<1>(xr, lda, w, k_blocks, block + j, false, c);
+            store_rows(c, m_size - m, first + block + j, out, m);
+          }
+        }
+      }
+    }
+  }
+  // Up to four row blocks per pass over one output block; its tiles stay in cache after the first.
+  constexpr int64_t kChunk = 4 * kRows;
+  for (; block < b1; ++block) {
+    for (int64_t m = 0; m < m_size; m += kChunk) {
+      const uint16_t* xr = x + m * lda;
+      const bool fetch = m == 0;
+      const int64_t rows = std::min(kChunk, m_size - m);
+      switch ((rows + kRows - 1) / kRows) {
+        case 1: rows_times<1>(xr, lda, w, k_blocks, block, fetch, c); break;
+        case 2: rows_times<2>(xr, lda, w, k_blocks, block, fetch, c); break;
+        case 3: rows_times<3>(xr, lda, w, k_blocks, block, fetch, c); break;
+        default: rows_times<4>(xr, lda, w, k_blocks, block, fetch, c); break;
+      }
+      store_rows(c, rows, first + block, out, m);
+    }
   }
 }
 
 void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks,
-               int64_t n_size, uint16_t* y) {
-  const int64_t n_blocks = (n_size + kBlock - 1) / kBlock;
+               const Output& out) {
+  const int64_t n_blocks = (out.n_size + kBlock - 1) / kBlock;
   at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles(static_cast<int>(std::min(kRows, m_size)));
-    alignas(64) float c[kGroup * kRows * kBlock];
-    if (m_size <= kRows) {  // one row block: four output blocks per pass
+    if (m_size <= kRows) {
+      few_rows(x, lda, m_size, w, k_blocks, b0, b1, out);
+    } else {
+      many_rows(x, lda, m_size, w, k_blocks, b0, b1, 0, out);
+    }
+    _tile_release();
+  });
+}
+
+// int8 weights in the same tile layout (one byte per element), one scale per output row. int8
+// values are exact in bfloat16 (8 significant bits), so each weight tile is widened to bf16 in
+// registers and multiplied as above; the sum of x times the int8 row, scaled once at the end, is
+// the bf16 model's product with the dequantized weight up to float32 rounding. The weights stream
+// in at half bf16's bytes.
+
+// One tile of 16 x 32 int8 values (pair-interleaved as the bf16 ones) to bfloat16.
+inline void widen_tile(const int8_t* tile, uint16_t* out) {
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kTile; i += 32) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + i));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out + i), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+inline const int8_t* int8_tile_of(const int8_t* w, int64_t k_blocks, int64_t block, int64_t kb) {
+  return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
+}
+
+// Up to 16 rows, NB output blocks from `block`: as blocks_times, the weight tiles widened one
+// k-block ahead into a second buffer, so a tile load never waits on the stores just made to it.
+template <int NB>
+void int8_blocks_times(const uint16_t* x, int64_t lda, const int8_t* w, int64_t k_blocks, int64_t block, float* c) {
+  alignas(64) uint16_t widened[2][kGroup][kTile];
+  zero_accumulators<NB>();
+  for (int j = 0; j < NB; ++j) widen_tile(int8_tile_of(w, k_blocks, block + j, 0), widened[0][j]);
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    for (int64_t ahead = kb == 0 ? 1 : kAhead; ahead <= kAhead && kb + ahead < k_blocks; ++ahead)
+      for (int j = 0; j < NB; ++j) {
+        const char* next = reinterpret_cast<const char*>(int8_tile_of(w, k_blocks, block + j, kb + ahead));
+        for (int64_t line = 0; line < kTile; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      }
+    if (kb + 1 < k_blocks)
+      for (int j = 0; j < NB; ++j) widen_tile(int8_tile_of(w, k_blocks, block + j, kb + 1), widened[(kb + 1) & 1][j]);
+    const uint16_t(*b)[kTile] = widened[kb & 1];
+    _tile_loadd(4, x + kb * kK, lda * 2);
+    _tile_loadd(5, b[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (NB > 1) {
+      _tile_loadd(6, b[1], 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (NB > 2) {
+      _tile_loadd(7, b[2], 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (NB > 3) {
+      _tile_loadd(5, b[3], 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  store_accumulators<NB>(c);
+}
+
+// 17 to kPairRows - 1 rows: as rows_times on one output block, its tiles widened into `panel`
+// ([k_blocks][16][32] bf16) in the pass of the first row blocks (`widen`), the widening overlapping
+// the tile products; later row blocks read the panel. The int8 tiles are requested 4 * kAhead
+// k-blocks ahead (one block's stream is a quarter of a group's).
+template <int R>
+void int8_rows_times(const uint16_t* x, int64_t lda, const int8_t* w, int64_t k_blocks, int64_t block, bool widen,
+                     uint16_t* panel, float* c) {
+  zero_accumulators<R>();
+  const int64_t stride = lda * 2;
+  for (int64_t kb = 0; kb < k_blocks; ++kb) {
+    uint16_t* b = panel + kb * kTile;
+    if (widen) {
+      for (int64_t ahead = kb == 0 ? 0 : 4 * kAhead; ahead <= 4 * kAhead && kb + ahead < k_blocks; ++ahead) {
+        const char* next = reinterpret_cast<const char*>(int8_tile_of(w, k_blocks, block, kb + ahead));
+        for (int64_t line = 0; line < kTile; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      }
+      widen_tile(int8_tile_of(w, k_blocks, block, kb), b);
+    }
+    const uint16_t* a = x + kb * kK;
+    _tile_loadd(5, b, 64);
+    _tile_loadd(4, a, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (R > 1) {
+      _tile_loadd(6, a + kRows * lda, stride);
+      _tile_dpbf16ps(1, 6, 5);
+    }
+    if (R > 2) {
+      _tile_loadd(7, a + 2 * kRows * lda, stride);
+      _tile_dpbf16ps(2, 7, 5);
+    }
+    if (R > 3) {
+      _tile_loadd(4, a + 3 * kRows * lda, stride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  store_accumulators<R>(c);
+}
+
+// Room for `tiles` bf16 tiles in `storage`, 64-byte aligned as tile loads and stores prefer.
+uint16_t* aligned_buffer(std::vector<uint16_t>& storage, int64_t tiles) {
+  storage.resize(tiles * kTile + 32);
+  return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+}
+
+void int8_times(const uint16_t* x, int64_t lda, int64_t m_size, const int8_t* w, int64_t k_blocks,
+                const Output& out) {
+  const int64_t n_blocks = (out.n_size + kBlock - 1) / kBlock;
+  if (m_size <= kRows) {
+    at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+      configure_tiles(static_cast<int>(m_size));
+      alignas(64) float c[kGroup * kRows * kBlock];
       for (int64_t block = b0; block < b1; block += kGroup) {
         const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
         switch (nb) {
-          case 1: blocks_times<1>(x, lda, w, k_blocks, block, c); break;
-          case 2: blocks_times<2>(x, lda, w, k_blocks, block, c); break;
-          case 3: blocks_times<3>(x, lda, w, k_blocks, block, c); break;
-          default: blocks_times<4>(x, lda, w, k_blocks, block, c); break;
+          case 1: int8_blocks_times<1>(x, lda, w, k_blocks, block, c); break;
+          case 2: int8_blocks_times<2>(x, lda, w, k_blocks, block, c); break;
+          case 3: int8_blocks_times<3>(x, lda, w, k_blocks, block, c); break;
+          default: int8_blocks_times<4>(x, lda, w, k_blocks, block, c); break;
         }
-        for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, n_size, 0, y);
+        for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, out, 0);
       }
-    } else {
-      int64_t block = b0;
-      if (m_size >= kPairRows) {  // pairs of output blocks, two row blocks at a time
-        for (; block + 1 < b1; block += 2) {
-          for (int64_t m = 0; m < m_size; m += 2 * kRows) {
-            const uint16_t* xr = x + m * lda;
-            if (m + kRows < m_size) {  // x is padded to whole row blocks: both are there
-              pairs_times(xr, lda, w, k_blocks, block, m == 0, c);
-              for (int64_t r = 0; r < 2; ++r)
-                for (int64_t j = 0; j < 2; ++j)
-                  store_rows(c + (2 * r + j) * kRows * kBlock, std::min(kRows, m_size - m - r * kRows), block + j,
-                             n_size, m + r * kRows, y);
-            } else {  // the last row block alone
-              for (int64_t j = 0; j < 2; ++j) {
-                rows_times<1>(xr, lda, w, k_blocks, block + j, false, c);
-                store_rows(c, m_size - m, block + j, n_size, m, y);
-              }
-            }
-          }
-        }
-      }
-      // Up to four row blocks per pass over one output block; its tiles stay in cache after the first.
+      _tile_release();
+    });
+    return;
+  }
+  if (m_size < kPairRows) {
+    at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+      configure_tiles(kRows);
+      alignas(64) float c[kGroup * kRows * kBlock];
+      std::vector<uint16_t> widened;
+      uint16_t* panel = aligned_buffer(widened, k_blocks);
       constexpr int64_t kChunk = 4 * kRows;
-      for (; block < b1; ++block) {
+      for (int64_t block = b0; block < b1; ++block) {
         for (int64_t m = 0; m < m_size; m += kChunk) {
           const uint16_t* xr = x + m * lda;
-          const bool fetch = m == 0;
           const int64_t rows = std::min(kChunk, m_size - m);
           switch ((rows + kRows - 1) / kRows) {
-            case 1: rows_times<1>(xr, lda, w, k_blocks, block, fetch, c); break;
-            case 2: rows_times<2>(xr, lda, w, k_blocks, block, fetch, c); break;
-            case 3: rows_times<3>(xr, lda, w, k_blocks, block, fetch, c); break;
-            default: rows_times<4>(xr, lda, w, k_blocks, block, fetch, c); break;
+            case 1: int8_rows_times<1>(xr, lda, w, k_blocks, block, m == 0, panel, c); break;
+            case 2: int8_rows_times<2>(xr, lda, w, k_blocks, block, m == 0, panel, c); break;
+            case 3: int8_rows_times<3>(xr, lda, w, k_blocks, block, m == 0, panel, c); break;
+            default: int8_rows_times<4>(xr, lda, w, k_blocks, block, m == 0, panel, c); break;
           }
-          store_rows(c, rows, block, n_size, m, y);
+          store_rows(c, rows, block, out, m);
         }
       }
+      _tile_release();
+    });
+    return;
+  }
+  // From kPairRows rows each weight tile meets many row blocks: a group's tiles (4 output blocks)
+  // are widened once into a bf16 copy of the group, which the bf16 path multiplies from cache.
+  const int64_t groups = (n_blocks + kGroup - 1) / kGroup;
+  const int64_t group_tiles = k_blocks * kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    configure_tiles(kRows);
+    std::vector<uint16_t> widened;
+    uint16_t* group = aligned_buffer(widened, group_tiles);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* tiles = w + g * group_tiles * kTile;
+      for (int64_t t = 0; t < group_tiles; ++t) widen_tile(tiles + t * kTile, group + t * kTile);
+      many_rows(x, lda, m_size, group, k_blocks, 0, std::min(kGroup, n_blocks - g * kGroup), g * kGroup, out);
     }
     _tile_release();
   });
@@ -259,32 +445,54 @@ bool amx_linear_available() {
 #endif
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out_features) {
-  TORCH_CHECK(amx_linear_available(), "amx_linear: this build or CPU has no AMX (or the OS refused its state)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: x must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
+// Checks what both ops share and returns x as the kernels read it: a tile reads up to 16 rows of 32
+// inputs, so x is padded with zeros to whole tiles unless it already is whole tiles of contiguous
+// rows (or one tile of fewer rows, the tiles' height then).
+at::Tensor tiled_rows(const char* op, const at::Tensor& x, const at::Tensor& tiles, at::ScalarType element,
+                      int64_t out_features) {
+  TORCH_CHECK(amx_linear_available(), op, ": this build or CPU has no AMX (or the OS refused its state)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == element && tiles.is_contiguous() &&
                   tiles.size(2) == kGroup && tiles.size(3) == kRows && tiles.size(4) == kK,
-              "amx_linear: the weight must be in AMX tiles, a contiguous bfloat16 [groups, k_blocks, 4, 16, 32]");
+              op, ": the weight must be in AMX tiles, a contiguous ", element, " [groups, k_blocks, 4, 16, 32]");
   const int64_t groups = tiles.size(0), k_blocks = tiles.size(1);
-  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out_features;
-  TORCH_CHECK(k_size <= k_blocks * kK && k_size > (k_blocks - 1) * kK, "amx_linear: x has ", k_size,
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  TORCH_CHECK(k_size <= k_blocks * kK && k_size > (k_blocks - 1) * kK, op, ": x has ", k_size,
               " columns, the tiles hold ", k_blocks * kK);
-  TORCH_CHECK(n_size <= groups * kGroup * kBlock && n_size > (groups - 1) * kGroup * kBlock, "amx_linear: ", groups,
-              " groups of tiles cannot hold ", n_size, " output features");
-  at::Tensor y = at::empty({m_size, n_size}, x.options());
-  if (m_size == 0 || n_size == 0) return y;
-#if PDSERVE_AMX
-  // A tile reads up to 16 rows of 32 inputs: x is padded with zeros to whole tiles unless it already
-  // is whole tiles of contiguous rows (or one tile of fewer rows, the tiles' height then).
+  TORCH_CHECK(out_features <= groups * kGroup * kBlock && out_features > (groups - 1) * kGroup * kBlock, op, ": ",
+              groups, " groups of tiles cannot hold ", out_features, " output features");
   const int64_t rows_padded = m_size <= kRows ? m_size : (m_size + kRows - 1) / kRows * kRows;
-  at::Tensor xp = x;
-  if (rows_padded != m_size || k_blocks * kK != k_size || x.stride(1) != 1) {
-    xp = at::zeros({rows_padded, k_blocks * kK}, x.options());
-    xp.narrow(0, 0, m_size).narrow(1, 0, k_size).copy_(x);
-  }
-  amx_times(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), xp.stride(0), m_size,
-            reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), k_blocks, n_size,
-            reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  if (rows_padded == m_size && k_blocks * kK == k_size && x.stride(1) == 1) return x;
+  at::Tensor xp = at::zeros({rows_padded, k_blocks * kK}, x.options());
+  xp.narrow(0, 0, m_size).narrow(1, 0, k_size).copy_(x);
+  return xp;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out_features) {
+  const at::Tensor xp = tiled_rows("amx_linear", x, tiles, at::kBFloat16, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0 || out_features == 0) return y;
+#if PDSERVE_AMX
+  amx_times(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), xp.stride(0), x.size(0),
+            reinterpret_cast<const uint16_t*>(tiles.data_ptr<at::BFloat16>()), tiles.size(1),
+            Output{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), out_features, nullptr});
+#endif
+  return y;
+}
+
+// x (bfloat16) times the weight q * scales[:, None] whose int8 values q are in AMX tiles
+// (layers.to_amx_tiles of quant.Int8Linear's rows): bfloat16 out, rounded once after the scaling.
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales) {
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "amx_int8_linear: scales must be a contiguous 1-D float32 tensor, one per output feature");
+  const int64_t out_features = scales.size(0);
+  const at::Tensor xp = tiled_rows("amx_int8_linear", x, tiles, at::kChar, out_features);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0 || out_features == 0) return y;
+#if PDSERVE_AMX
+  int8_times(reinterpret_cast<const uint16_t*>(xp.data_ptr<at::BFloat16>()), xp.stride(0), x.size(0),
+             tiles.data_ptr<int8_t>(), tiles.size(1),
+             Output{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), out_features, scales.data_ptr<float>()});
 #endif
   return y;
 }
@@ -294,8 +502,12 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out_
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("amx_linear_available() -> bool");
   m.def("amx_linear(Tensor x, Tensor tiles, int out_features) -> Tensor");
+  m.def("amx_int8_linear(Tensor x, Tensor tiles, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CatchAll, m) { m.impl("amx_linear_available", &amx_linear_available); }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("amx_linear", &amx_linear); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_int8_linear", &amx_int8_linear);
+}

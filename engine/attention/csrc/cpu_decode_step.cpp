@@ -19,7 +19,8 @@ namespace {
 
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
 enum LinearPath : int64_t {
-  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7, kInt8Gemm = 8
+  kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7, kInt8Gemm = 8,
+  kAmxInt8 = 9
 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
@@ -46,6 +47,7 @@ struct Ops {
   c10::TypedOperatorHandle<Int8Linear> int8_gemm = typed_op<Int8Linear>("pdserve_cpu::int8_gemm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
   c10::TypedOperatorHandle<PanelLinear> amx_linear = typed_op<PanelLinear>("pdserve_cpu::amx_linear");
+  c10::TypedOperatorHandle<Int8Linear> amx_int8_linear = typed_op<Int8Linear>("pdserve_cpu::amx_int8_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
   c10::TypedOperatorHandle<SiluMul> silu_mul = typed_op<SiluMul>("pdserve_cpu::silu_and_mul");
@@ -62,9 +64,9 @@ const Ops& ops() {
 }
 
 // x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 paths `weight`
-// holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales); on the
-// panels path `packed` holds the weight in panels (layers.to_panels), on the AMX path in AMX tiles
-// (layers.to_amx_tiles).
+// holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales; on the
+// AMX one the values are in AMX tiles); on the panels path `packed` holds the weight in panels
+// (layers.to_panels), on the AMX path in AMX tiles (layers.to_amx_tiles).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
@@ -74,6 +76,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
       TORCH_CHECK(packed.has_value(), "decode_layers: an int8 path without scales");
       const auto& op = path == kInt8 ? ops().int8_linear : path == kInt8A8 ? ops().int8_linear_a8 : ops().int8_gemm;
       at::Tensor y = op.call(x, weight, *packed);
+      return bias.has_value() ? y.add_(*bias) : y;
+    }
+    case kAmxInt8: {
+      TORCH_CHECK(packed.has_value(), "decode_layers: an int8 path without scales");
+      at::Tensor y = ops().amx_int8_linear.call(x, weight, *packed);
       return bias.has_value() ? y.add_(*bias) : y;
     }
     case kKernel:
