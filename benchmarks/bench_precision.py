@@ -5,10 +5,12 @@ Two measurements, each an A/B inside this one process with the variants alternat
    12 layers, 4 KV heads, intermediate 2048, vocab 32000) at 1 and 16 rows, through the engine's
    own `linear` (prepacked float32, bfloat16 as this CPU runs it, int8 via engine/model/quant.py
    with a scale per row, q8_0 with a scale per 32 weights, and q8_0 with int8 activations too,
-   `q8_0+a8`: W8A8, see quant.py).
+   `q8_0+a8`: W8A8, see quant.py; `bfloat16+int8`: int8 weights with a scale per row multiplied
+   by bfloat16 rows, on AMX tiles where the CPU has AMX).
 2. Decode throughput of the whole engine on that model, float32 against `quantization="int8"`,
-   `"q8_0"` and `"q8_0"` with `int8_activations=True`: 1 and 16 requests of 16-token prompts each
-   generating the same number of tokens.
+   `"q8_0"` and `"q8_0"` with `int8_activations=True`, and bfloat16 with and without
+   `quantization="int8"`: 1 and 16 requests of 16-token prompts each generating the same number of
+   tokens. Rows of a bfloat16 model also say their ratio to bfloat16 weights (`vs_bfloat16`).
 The `auto` row says which dtype `dtype auto` gives a bfloat16 checkpoint here, and whether the
 measured step times agree (bfloat16 must be faster at both batch sizes to be the right pick).
 """
@@ -41,7 +43,9 @@ def make_layers(dtype: str, shapes: list[tuple[int, int]]):
     fns = []
     for out_f, in_f in shapes:
         w = torch.randn(out_f, in_f, generator=gen) * 0.02
-        if dtype in ("int8", "q8_0", "q8_0+a8"):
+        if dtype == "bfloat16+int8":
+            fns.append(Int8Linear(w.bfloat16()))
+        elif dtype in ("int8", "q8_0", "q8_0+a8"):
             fns.append(Int8Linear(w, group=None if dtype == "int8" else 32, int8_activations=dtype == "q8_0+a8"))
         else:
             w = w.to(getattr(torch, dtype))
@@ -69,9 +73,9 @@ def matmul_rows(rounds: int, seconds: float) -> tuple[list[dict], dict]:
     shapes = step_shapes()
     variants = {"float32": make_layers("float32", shapes), "bfloat16": make_layers("bfloat16", shapes),
                 "int8": make_layers("int8", shapes), "q8_0": make_layers("q8_0", shapes),
-                "q8_0+a8": make_layers("q8_0+a8", shapes)}
+                "q8_0+a8": make_layers("q8_0+a8", shapes), "bfloat16+int8": make_layers("bfloat16+int8", shapes)}
     acts = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.float32, "q8_0": torch.float32,
-            "q8_0+a8": torch.float32}
+            "q8_0+a8": torch.float32, "bfloat16+int8": torch.bfloat16}
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):  # alternate the variants, keep each one's best
         for rows in (1, 16):
@@ -84,8 +88,14 @@ def matmul_rows(rounds: int, seconds: float) -> tuple[list[dict], dict]:
         for name in variants:
             t = best[(name, rows)]
             rows_out.append({"measure": "step matmuls", "batch": rows, "precision": name, "ms_per_step": t * 1e3,
-                             "tok_per_s": rows / t, "vs_float32": base / t})
+                             "tok_per_s": rows / t, "vs_float32": base / t,
+                             **vs_bfloat16(name, best[("bfloat16", rows)], t)})
     return rows_out, best
+
+
+def vs_bfloat16(name: str, bf16_seconds: float, seconds: float) -> dict:
+    """A bfloat16 model's row also against bfloat16 weights."""
+    return {"vs_bfloat16": bf16_seconds / seconds} if name.startswith("bfloat16") else {}
 
 
 def engine_rows(rounds: int, max_tokens: int) -> list[dict]:
@@ -99,7 +109,10 @@ def engine_rows(rounds: int, max_tokens: int) -> list[dict]:
                **{q: LLM(path, dtype="float32", quantization=q, enable_prefix_caching=False, max_model_len=512)
                   for q in ("int8", "q8_0")},
                "q8_0+a8": LLM(path, dtype="float32", quantization="q8_0", int8_activations=True,
-                              enable_prefix_caching=False, max_model_len=512)}
+                              enable_prefix_caching=False, max_model_len=512),
+               "bfloat16": LLM(path, dtype="bfloat16", enable_prefix_caching=False, max_model_len=512),
+               "bfloat16+int8": LLM(path, dtype="bfloat16", quantization="int8", enable_prefix_caching=False,
+                                    max_model_len=512)}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     best: dict[tuple[str, int], float] = {}
     for _ in range(rounds):
@@ -116,7 +129,8 @@ def engine_rows(rounds: int, max_tokens: int) -> list[dict]:
         for name in engines:
             rate = batch * max_tokens / best[(name, batch)]
             out.append({"measure": "engine decode", "batch": batch, "precision": name, "tok_per_s": rate,
-                        "vs_float32": best[("float32", batch)] / best[(name, batch)]})
+                        "vs_float32": best[("float32", batch)] / best[(name, batch)],
+                        **vs_bfloat16(name, best[("bfloat16", batch)], best[(name, batch)])})
     return out
 
 
@@ -141,7 +155,8 @@ def main(argv: list[str]) -> None:
         rows += engine_rows(1 if args.quick else 2, 16 if args.quick else 64)
     write_report("precision", rows, title="Precision: float32 vs bfloat16 vs int8 weights (A/B in one process)",
                  meta={"threads": torch.get_num_threads(), "auto_pick": auto, "measured_faster": measured},
-                 columns=["measure", "batch", "precision", "ms_per_step", "tok_per_s", "vs_float32", "note"])
+                 columns=["measure", "batch", "precision", "ms_per_step", "tok_per_s", "vs_float32", "vs_bfloat16",
+                          "note"])
 
 
 if __name__ == "__main__":
