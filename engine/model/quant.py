@@ -28,16 +28,16 @@ Kernels:
   0.75-0.92x at 384-1024 rows (99-115 against 110-137 GFLOP/s). There the slabs take the chunks
   past GEMM_MAX_ROWS_AVX2 rows.
 In a bfloat16 model on a CPU with AMX (Intel Xeon since Sapphire Rapids), weights with a scale per
-row keep their int8 values in AMX tiles instead (layers.to_amx_tiles; csrc/cpu_amx_linear.cpp's
+row keep their int8 values in AMX tiles instead (`to_amx_int8_tiles`; csrc/cpu_amx_linear.cpp's
 `amx_int8_linear`), for every row count: each tile is widened to bf16 in registers (int8 values are
-exact in bf16) and multiplied by the bf16 rows on the tile unit, the float32 sums scaled by the row
-scale and rounded to bf16 once. That is the bf16 model's own product with the rounded weight; the
-weights stream in at half bf16's bytes. The first measurements (the bench model, 2 threads, paired in
-one process) put a bf16 model's whole decode step with int8 weights at 1.04-1.39x its step with bf16
-weights from 1 to 64 rows and 0.90x at a 512-token prefill, where computing the int8 product in
-float32 (as float32 models do) had run 0.3-0.45x from 16 rows. A float32 row reaching such a layer
-takes the float32 kernels on its rows, unpacked from the tiles. Group scales (Q8_0) and int8
-activations keep the kernels below.
+exact in bf16; a byte permute looks each one up) and multiplied by the bf16 rows on the tile unit,
+the float32 sums scaled by the row scale and rounded to bf16 once. That is the bf16 model's own
+product with the rounded weight; the weights stream in at half bf16's bytes. The first measurements
+(the bench model, 2 threads, paired in one process) put a bf16 model's whole decode step with int8
+weights at 1.04-1.39x its step with bf16 weights from 1 to 64 rows and 0.90x at a 512-token prefill,
+where computing the int8 product in float32 (as float32 models do) had run 0.3-0.45x from 16 rows. A
+float32 row reaching such a layer takes the float32 kernels on its rows, unpacked from the tiles.
+Group scales (Q8_0) and int8 activations keep the kernels below.
 int8 activations (`int8_activations=True`, `--int8-activations`; W8A8): in decode steps (the
 register kernel's rows) each row of x is also rounded to int8, in blocks of ACT_BLOCK values with
 a float scale each (amax / 127), and each block's 32 products are summed exactly in integers
@@ -141,6 +141,30 @@ def amx_available() -> bool:
     return layers.amx_supported() and hasattr(torch.ops.pdserve_cpu, "amx_int8_linear")
 
 
+def to_amx_int8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """int8 rows [out, in] as the AMX kernel stores them: layers.to_amx_tiles' layout, each byte in
+    sign and magnitude (bit 7 the sign, bits 0-6 |v|; |v| <= QMAX) and each 64 bytes reordered so
+    that the kernel's widening puts them back in sequence (element 32h + 8L + k at 16L + 8h + k;
+    why: csrc/cpu_amx_linear.cpp). uint8, as it is no longer int8 arithmetic."""
+    from pdserve.engine.model.layers import to_amx_tiles
+
+    if (q == -QMAX - 1).any():
+        raise ValueError("int8 value -128 has no sign-and-magnitude byte: values must lie in [-127, 127]")
+    tiles = to_amx_tiles(q)
+    magnitude = tiles.to(torch.int16).abs()
+    encoded = torch.where(tiles < 0, magnitude | 0x80, magnitude).to(torch.uint8)
+    return encoded.view(-1, 2, 4, 8).transpose(1, 2).reshape(tiles.shape).contiguous()
+
+
+def from_amx_int8_tiles(tiles: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 rows `to_amx_int8_tiles` stored as `tiles`."""
+    from pdserve.engine.model.layers import from_amx_tiles
+
+    ordered = tiles.view(-1, 4, 2, 8).transpose(1, 2).reshape(tiles.shape).to(torch.int16)
+    values = torch.where(ordered >= 0x80, -(ordered & 0x7F), ordered).to(torch.int8)
+    return from_amx_tiles(values, out_features, in_features)
+
+
 def register_max_rows(gemm_isa: int, int8_activations: bool) -> int:
     """The most rows of x our register kernel takes; more go to the GEMM. int8 activations keep
     SMALL_ROWS on every CPU: which rows are rounded to int8 is part of what that option means."""
@@ -206,18 +230,14 @@ class Int8Linear:
         self.tiles: torch.Tensor | None = None
         self._rows: torch.Tensor | None = qweight
         if amx:
-            from pdserve.engine.model.layers import to_amx_tiles
-
-            self.tiles, self._rows = to_amx_tiles(qweight), None
+            self.tiles, self._rows = to_amx_int8_tiles(qweight), None
 
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 values, [out_features, in_features]."""
         if self._rows is not None:
             return self._rows
-        from pdserve.engine.model.layers import from_amx_tiles
-
-        return from_amx_tiles(self.tiles, self.out_features, self.in_features)
+        return from_amx_int8_tiles(self.tiles, self.out_features, self.in_features)
 
     def amx_takes(self, x: torch.Tensor) -> bool:
         """Whether x goes through the AMX kernel: bfloat16 rows, the weight in tiles."""
@@ -241,7 +261,8 @@ class Int8Linear:
             return y.reshape(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
         if self.kernel_takes(x2.shape[0]):
-            kernel = torch.ops.pdserve_cpu.int8_linear_a8 if self.int8_activations else torch.ops.pdserve_cpu.int8_linear
+            ops = torch.ops.pdserve_cpu
+            kernel = ops.int8_linear_a8 if self.int8_activations else ops.int8_linear
             y = kernel(x2, self.qweight, self.scales)
         elif self.gemm_takes(x2.shape[0]):
             y = torch.ops.pdserve_cpu.int8_gemm(x2, self.qweight, self.scales)

@@ -43,9 +43,24 @@ def test_tiles_give_back_the_int8_rows_they_were_made_of():
     for out_features, in_features in ((1, 1), (70, 45), (64, 32), (130, 100)):
         q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
                           generator=torch.Generator().manual_seed(out_features))
-        tiles = layers.to_amx_tiles(q)
-        assert tiles.dtype == torch.int8 and tiles.shape == (-(-out_features // 64), -(-in_features // 32), 4, 16, 32)
-        assert torch.equal(layers.from_amx_tiles(tiles, out_features, in_features), q)
+        assert torch.equal(layers.from_amx_tiles(layers.to_amx_tiles(q), out_features, in_features), q)
+        tiles = quant.to_amx_int8_tiles(q)
+        assert tiles.dtype == torch.uint8 and tiles.shape == (-(-out_features // 64), -(-in_features // 32), 4, 16, 32)
+        assert torch.equal(quant.from_amx_int8_tiles(tiles, out_features, in_features), q)
+    with pytest.raises(ValueError, match="-128 has no sign-and-magnitude byte"):
+        quant.to_amx_int8_tiles(torch.full((2, 2), -128, dtype=torch.int8))
+
+
+def test_stored_bytes_are_sign_and_magnitude_in_the_widening_order():
+    """Byte 16L + 8h + k of each 64 holds element 32h + 8L + k, its sign in bit 7."""
+    q = torch.arange(64, dtype=torch.int8).reshape(2, 32) * torch.tensor([1, -1], dtype=torch.int8)[:, None]
+    stored = quant.to_amx_int8_tiles(q).flatten()[:64].tolist()  # tile row r holds inputs 2r, 2r + 1 of 16 outputs
+    plain = layers.to_amx_tiles(q).flatten()[:64].tolist()
+    for h in range(2):
+        for lane in range(4):
+            for k in range(8):
+                value = plain[32 * h + 8 * lane + k]
+                assert stored[16 * lane + 8 * h + k] == (0x80 | -value if value < 0 else value)
 
 
 @needs_amx
@@ -59,12 +74,13 @@ def test_the_product_scales_the_int8_sum_once_and_rounds_once(out_features, in_f
     rounded once, and equal to it on nearly every element."""
     q, scales = int8_weight(out_features, in_features, seed=1)
     x = randn(rows, in_features, seed=2).bfloat16()
-    got = torch.ops.pdserve_cpu.amx_int8_linear(x, layers.to_amx_tiles(q), scales)
+    got = torch.ops.pdserve_cpu.amx_int8_linear(x, quant.to_amx_int8_tiles(q), scales)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     exact = x.double() @ quant.dequantize(q, scales).double().T
     rounded = exact.to(torch.bfloat16).double()
     step = rounded.abs().clamp_min(1e-30) * 2.0 ** -7
-    float32_error = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ (q.double().abs() * scales.double()[:, None]).T)
+    magnitudes = q.double().abs() * scales.double()[:, None]
+    float32_error = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ magnitudes.T)
     assert ((got.double() - rounded).abs() <= step + float32_error).all()
     assert (got.double() == rounded).float().mean() > 0.9
 
@@ -72,7 +88,7 @@ def test_the_product_scales_the_int8_sum_once_and_rounds_once(out_features, in_f
 @needs_amx
 def test_rows_of_x_may_sit_anywhere_in_memory():
     q, scales = int8_weight(40, 64, seed=3)
-    tiles = layers.to_amx_tiles(q)
+    tiles = quant.to_amx_int8_tiles(q)
     wide = randn(140, 100, seed=4).bfloat16()
     for x in (wide[:5, 3:67], wide[:40, 36:100], wide[:130, 1:65]):
         assert not x.is_contiguous()
@@ -85,7 +101,7 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
     """Each path sums a row on its own and in the same order: a request's logits do not change
     with who else is in the batch nor with how many threads run it."""
     q, scales = int8_weight(200, 96, seed=6)
-    tiles = layers.to_amx_tiles(q)
+    tiles = quant.to_amx_int8_tiles(q)
     multiply = lambda rows: torch.ops.pdserve_cpu.amx_int8_linear(rows, tiles, scales)  # noqa: E731
     assert_rows_independent(multiply, randn(70, 96, seed=7).bfloat16(), (0, 5, 15, 16, 69), window=20)
     assert_rows_independent(multiply, randn(150, 96, seed=8).bfloat16(), (0, 31, 100, 128, 149), window=140)
@@ -94,19 +110,20 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
 @needs_amx
 def test_no_rows_give_an_empty_product():
     q, scales = int8_weight(20, 8, seed=9)
-    empty = torch.ops.pdserve_cpu.amx_int8_linear(torch.empty(0, 8, dtype=torch.bfloat16), layers.to_amx_tiles(q), scales)
+    tiles = quant.to_amx_int8_tiles(q)
+    empty = torch.ops.pdserve_cpu.amx_int8_linear(torch.empty(0, 8, dtype=torch.bfloat16), tiles, scales)
     assert empty.shape == (0, 20)
 
 
 def _tiles(out_features: int, in_features: int) -> torch.Tensor:
-    return layers.to_amx_tiles(torch.zeros(out_features, in_features, dtype=torch.int8))
+    return quant.to_amx_int8_tiles(torch.zeros(out_features, in_features, dtype=torch.int8))
 
 
 @needs_amx
 @pytest.mark.parametrize("x, tiles, scales, message", [
     (randn(2, 8), _tiles(20, 8), torch.ones(20), "x must be a 2-D bfloat16 tensor"),
-    (randn(2, 8).bfloat16(), layers.to_amx_tiles(randn(20, 8).bfloat16()), torch.ones(20),
-     "the weight must be in AMX tiles, a contiguous Char"),
+    (randn(2, 8).bfloat16(), layers.to_amx_tiles(torch.zeros(20, 8, dtype=torch.int8)), torch.ones(20),
+     "the weight must be in AMX tiles, a contiguous Byte"),
     (randn(2, 8).bfloat16(), _tiles(20, 8), torch.ones(20, dtype=torch.float64), "scales must be a contiguous 1-D"),
     (randn(2, 8).bfloat16(), _tiles(20, 8), torch.ones(20, 1), "scales must be a contiguous 1-D"),
     (randn(2, 40).bfloat16(), _tiles(20, 8), torch.ones(20), "x has 40 columns, the tiles hold 32"),
