@@ -32,12 +32,12 @@ row keep their int8 values in AMX tiles instead (`to_amx_int8_tiles`; csrc/cpu_a
 `amx_int8_linear`), for every row count: each tile is widened to bf16 in registers (int8 values are
 exact in bf16; a byte permute looks each one up) and multiplied by the bf16 rows on the tile unit,
 the float32 sums scaled by the row scale and rounded to bf16 once. That is the bf16 model's own
-product with the rounded weight; the weights stream in at half bf16's bytes. The first measurements
-(the bench model, 2 threads, paired in one process) put a bf16 model's whole decode step with int8
-weights at 1.04-1.39x its step with bf16 weights from 1 to 64 rows and 0.90x at a 512-token prefill,
-where computing the int8 product in float32 (as float32 models do) had run 0.3-0.45x from 16 rows. A
-float32 row reaching such a layer takes the float32 kernels on its rows, unpacked from the tiles.
-Group scales (Q8_0) and int8 activations keep the kernels below.
+product with the rounded weight; the weights stream in at half bf16's bytes. On the AMX Xeon (the
+bench model, 2 threads, paired in one process) a bf16 model's whole decode step with int8 weights ran
+1.68x its step with bf16 weights at 1 row, 1.25x at 16, 1.03x at 64 and 1.04x at a 512-token
+prefill, where computing the int8 product in float32 (as float32 models do) had run 0.3-0.45x from
+16 rows. A float32 row reaching such a layer takes the float32 kernels on its rows, unpacked from
+the tiles. Group scales (Q8_0) and int8 activations keep the kernels below.
 int8 activations (`int8_activations=True`, `--int8-activations`; W8A8): in decode steps (the
 register kernel's rows) each row of x is also rounded to int8, in blocks of ACT_BLOCK values with
 a float scale each (amax / 127), and each block's 32 products are summed exactly in integers
