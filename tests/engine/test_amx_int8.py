@@ -20,7 +20,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model import layers, quant
 from pdserve.engine.model.quant import Int8Linear
 
-from support.hf_reference import hf_next_token_logits, load_hf_model, rounded_copy
+from support.hf_reference import assert_greedy_tracks, load_hf_model, rounded_copy
 from support.linear_checks import assert_rows_independent
 
 kernels_off = os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1"
@@ -187,12 +187,5 @@ def test_bfloat16_int8_engine_tracks_float32_transformers_on_the_rounded_weights
                                SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True))
     finally:
         llm.shutdown()
-    for prompt, out in zip(prompts, outputs):
-        context = list(prompt)
-        completion = out.outputs[0]
-        assert len(completion.token_ids) == 8
-        for token, entry in zip(completion.token_ids, completion.logprobs):
-            reference = torch.log_softmax(hf_next_token_logits(hf, context), -1)
-            assert reference.max().item() - reference[token].item() < BF16_LOGPROB_TOLERANCE
-            assert abs(entry[token].logprob - reference[token].item()) < BF16_LOGPROB_TOLERANCE
-            context.append(token)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert_greedy_tracks(hf, prompts, outputs, BF16_LOGPROB_TOLERANCE)

@@ -21,7 +21,7 @@ from pdserve.engine.demo import build_random_model
 from pdserve.engine.model import layers
 from pdserve.engine.model.layers import WIDEN_SLAB_ROWS, linear_widened, packing_supported
 
-from support.hf_reference import hf_next_token_logits, load_hf_model
+from support.hf_reference import assert_greedy_tracks, load_hf_model
 
 # bf16 keeps 8 bits of mantissa: logits of size ~10 carry errors of a few hundredths.
 BF16_LOGPROB_TOLERANCE = 0.1
@@ -42,16 +42,9 @@ def test_bfloat16_engine_tracks_float32_transformers(model_dir, monkeypatch, pac
     prompts = [[rng.randrange(3, 4096) for _ in range(n)] for n in (5, 17, 40, 90)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True))
-    for prompt, out in zip(prompts, outputs):
-        context = list(prompt)
-        completion = out.outputs[0]
-        assert len(completion.token_ids) == 8
-        for token, entry in zip(completion.token_ids, completion.logprobs):
-            reference = torch.log_softmax(hf_next_token_logits(hf, context), -1)
-            # Greedy in bf16 picks the float32 argmax, or a token tied with it within bf16 error.
-            assert reference.max().item() - reference[token].item() < BF16_LOGPROB_TOLERANCE
-            assert abs(entry[token].logprob - reference[token].item()) < BF16_LOGPROB_TOLERANCE
-            context.append(token)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    # Greedy in bf16 picks the float32 argmax, or a token tied with it within bf16 error.
+    assert_greedy_tracks(hf, prompts, outputs, BF16_LOGPROB_TOLERANCE)
 
 
 @pytest.mark.parametrize("shape", [(16, 64, 48), (40, 96, WIDEN_SLAB_ROWS + 37), (3, 7, 32, 2 * WIDEN_SLAB_ROWS)])

@@ -33,6 +33,20 @@ def hf_next_token_logits(model, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
+def assert_greedy_tracks(model, prompts: list[list[int]], outputs, tolerance: float) -> None:
+    """Each token the engine picked greedily (with `logprobs=1`) is transformers' argmax at that
+    position or tied with it within `tolerance` in log-probability, and the engine's log-probability
+    of it is transformers' within `tolerance`: a half-precision engine computing `model`'s function."""
+    for prompt, out in zip(prompts, outputs):
+        context = list(prompt)
+        completion = out.outputs[0]
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            reference = torch.log_softmax(hf_next_token_logits(model, context), -1)
+            assert reference.max().item() - reference[token].item() < tolerance
+            assert abs(entry[token].logprob - reference[token].item()) < tolerance
+            context.append(token)
+
+
 def rounded_copy(hf_model, method: str = "int8"):
     """transformers' model with every linear weight replaced by its int8 rounding, dequantized.
 

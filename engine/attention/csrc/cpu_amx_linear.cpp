@@ -76,6 +76,49 @@ inline const uint16_t* tile_of(const uint16_t* w, int64_t k_blocks, int64_t bloc
   return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
 }
 
+// C[j] += the row block of x at a (row stride lda elements) · weight tile b[j], for j < NB: tile 4
+// holds x, 5-7 the weight tiles in turn.
+template <int NB>
+inline void row_block_times(const uint16_t* a, int64_t lda, const uint16_t* const* b) {
+  _tile_loadd(4, a, lda * 2);
+  _tile_loadd(5, b[0], 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if (NB > 1) {
+    _tile_loadd(6, b[1], 64);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  if (NB > 2) {
+    _tile_loadd(7, b[2], 64);
+    _tile_dpbf16ps(2, 4, 7);
+  }
+  if (NB > 3) {
+    _tile_loadd(5, b[3], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// C[r] += row block r of x at a (16 rows each, row stride lda) · the weight tile b, for r < R: tile 5
+// holds the weight, 4, 6 and 7 the row blocks in turn.
+template <int R>
+inline void weight_tile_times(const uint16_t* a, int64_t lda, const uint16_t* b) {
+  const int64_t stride = lda * 2;
+  _tile_loadd(5, b, 64);
+  _tile_loadd(4, a, stride);
+  _tile_dpbf16ps(0, 4, 5);
+  if (R > 1) {
+    _tile_loadd(6, a + kRows * lda, stride);
+    _tile_dpbf16ps(1, 6, 5);
+  }
+  if (R > 2) {
+    _tile_loadd(7, a + 2 * kRows * lda, stride);
+    _tile_dpbf16ps(2, 7, 5);
+  }
+  if (R > 3) {
+    _tile_loadd(4, a + 3 * kRows * lda, stride);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
 // Up to 16 rows: C[j] = x · W_blockᵀ for NB output blocks starting at `block` (x's row stride lda
 // elements), over every k-block; each weight tile's lines are all requested before it is loaded.
 template <int NB>
@@ -87,21 +130,7 @@ void blocks_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_b
     for (int j = 0; j < NB; ++j)
       for (int64_t line = 0; line < kTile * 2; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(b[j]) + line, _MM_HINT_T0);
-    _tile_loadd(4, x + kb * kK, lda * 2);
-    _tile_loadd(5, b[0], 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (NB > 1) {
-      _tile_loadd(6, b[1], 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if (NB > 2) {
-      _tile_loadd(7, b[2], 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if (NB > 3) {
-      _tile_loadd(5, b[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    row_block_times<NB>(x + kb * kK, lda, b);
   }
   store_accumulators<NB>(c);
 }
@@ -118,7 +147,6 @@ template <int R>
 void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blocks, int64_t block, bool fetch,
                 float* c) {
   zero_accumulators<R>();
-  const int64_t stride = lda * 2;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     if (fetch) {
       for (int64_t ahead = kb == 0 ? 0 : kAhead; ahead <= kAhead && kb + ahead < k_blocks; ++ahead) {
@@ -126,22 +154,7 @@ void rows_times(const uint16_t* x, int64_t lda, const uint16_t* w, int64_t k_blo
         for (int64_t line = 0; line < kTile * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
       }
     }
-    const uint16_t* a = x + kb * kK;
-    _tile_loadd(5, tile_of(w, k_blocks, block, kb), 64);
-    _tile_loadd(4, a, stride);
-    _tile_dpbf16ps(0, 4, 5);
-    if (R > 1) {
-      _tile_loadd(6, a + kRows * lda, stride);
-      _tile_dpbf16ps(1, 6, 5);
-    }
-    if (R > 2) {
-      _tile_loadd(7, a + 2 * kRows * lda, stride);
-      _tile_dpbf16ps(2, 7, 5);
-    }
-    if (R > 3) {
-      _tile_loadd(4, a + 3 * kRows * lda, stride);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    weight_tile_times<R>(x + kb * kK, lda, tile_of(w, k_blocks, block, kb));
   }
   store_accumulators<R>(c);
 }
@@ -343,22 +356,9 @@ void int8_blocks_times(const uint16_t* x, int64_t lda, const uint8_t* w, int64_t
     if (kb + 1 < k_blocks)
       for (int j = 0; j < NB; ++j)
         widen_tile(int8_tile_of(w, k_blocks, block + j, kb + 1), widened[(kb + 1) & 1][j], tables);
-    const uint16_t(*b)[kTile] = widened[kb & 1];
-    _tile_loadd(4, x + kb * kK, lda * 2);
-    _tile_loadd(5, b[0], 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (NB > 1) {
-      _tile_loadd(6, b[1], 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if (NB > 2) {
-      _tile_loadd(7, b[2], 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if (NB > 3) {
-      _tile_loadd(5, b[3], 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    const uint16_t* b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = widened[kb & 1][j];
+    row_block_times<NB>(x + kb * kK, lda, b);
   }
   store_accumulators<NB>(c);
 }
@@ -371,7 +371,6 @@ template <int R>
 void int8_rows_times(const uint16_t* x, int64_t lda, const uint8_t* w, int64_t k_blocks, int64_t block, bool widen,
                      uint16_t* panel, const WidenTables& tables, float* c) {
   zero_accumulators<R>();
-  const int64_t stride = lda * 2;
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     uint16_t* b = panel + kb * kTile;
     if (widen) {
@@ -381,22 +380,7 @@ void int8_rows_times(const uint16_t* x, int64_t lda, const uint8_t* w, int64_t k
       }
       widen_tile(int8_tile_of(w, k_blocks, block, kb), b, tables);
     }
-    const uint16_t* a = x + kb * kK;
-    _tile_loadd(5, b, 64);
-    _tile_loadd(4, a, stride);
-    _tile_dpbf16ps(0, 4, 5);
-    if (R > 1) {
-      _tile_loadd(6, a + kRows * lda, stride);
-      _tile_dpbf16ps(1, 6, 5);
-    }
-    if (R > 2) {
-      _tile_loadd(7, a + 2 * kRows * lda, stride);
-      _tile_dpbf16ps(2, 7, 5);
-    }
-    if (R > 3) {
-      _tile_loadd(4, a + 3 * kRows * lda, stride);
-      _tile_dpbf16ps(3, 4, 5);
-    }
+    weight_tile_times<R>(x + kb * kK, lda, b);
   }
   store_accumulators<R>(c);
 }
