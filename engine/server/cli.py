@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU only. auto: a GGUF file's Q8_0 weights stay int8 (served exactly as stored), "
                         "everything else float; none: every weight float; int8: every linear weight int8 "
                         "with a scale per output channel; q8_0: with a scale per 32 weights. int8 weights "
-                        "take a quarter of the memory and decode faster; logits stay within ~1%% of float32")
+                        "take a quarter of float32's memory and decode faster; logits stay within ~1%% of "
+                        "float32. In bfloat16 on CPUs with AMX, int8 runs on AMX tiles (faster than bf16)")
     p.add_argument("--int8-activations", action="store_true",
                    help="with int8 weights: also round each decode row to int8 (blocks of 32, a scale "
                         "each) and take integer dot products, as llama.cpp's Q8_0 does: faster decode "
