@@ -101,6 +101,42 @@ def llama_tp2(model_dir):
     assert_nothing_left(pids, paths)
 
 
+def test_bfloat16_int8_shards_go_in_amx_tiles_and_track_transformers(model_dir):
+    """In bfloat16 on a CPU with AMX each rank quantizes its own shard (into AMX tiles: a byte a
+    weight where bf16 takes two, plus padding and scales), and TP=2 computes the model with rounded
+    weights within bf16's error (0.1 in log-probability, as test_dtypes)."""
+    from pdserve.engine.model import quant
+
+    from support.hf_reference import assert_greedy_tracks, rounded_copy
+
+    if not quant.amx_available():
+        pytest.skip("no AMX here: int8 weights do not go in AMX tiles")
+    path = model_dir("llama")
+    prompts = random_prompts(6, [5, 17, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    llm = LLM(path, tensor_parallel_size=2, dtype="bfloat16", quantization="int8", num_kv_blocks=256)
+    try:
+        int8_bytes = executor_of(llm).collective_rpc("weight_bytes")
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        llm.shutdown()
+    full = LLM(path, tensor_parallel_size=2, dtype="bfloat16", quantization="none", num_kv_blocks=256)
+    try:
+        bf16_bytes = executor_of(full).collective_rpc("weight_bytes")
+    finally:
+        full.shutdown()
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    hidden, inter, heads, kv_heads = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                       "num_key_value_heads"))
+    head_dim = hidden // heads
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    linear_per_rank = (cfg["num_hidden_layers"] * per_layer + cfg["vocab_size"] * hidden) // 2
+    # A byte per weight saved, less the scales and the tiles' zero padding.
+    assert all(0.8 * linear_per_rank < f - i <= linear_per_rank for i, f in zip(int8_bytes, bf16_bytes))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert_greedy_tracks(rounded_copy(load_hf_model(path), "int8"), prompts, outputs, 0.1)
+
+
 # -- the same tokens as one rank --------------------------------------------------------------
 
 
