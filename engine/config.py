@@ -204,6 +204,8 @@ class ModelConfig:
         if int8_activations and quantization is None:
             raise ValueError("int8 activations need int8 weights: pass --quantization int8 or q8_0 "
                              "(or serve a GGUF whose weights are Q8_0)")
+        if quantization is not None and dtype == "auto":
+            resolved = quantized_dtype(_resolve_dtype(dtype, cfg, device), quantization, int8_activations)
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -349,6 +351,28 @@ def auto_cpu_dtype_here(checkpoint: torch.dtype, cfg: dict[str, Any]) -> tuple[t
 
 
 _logged_dtype_choices: set[tuple[str, str]] = set()
+
+
+def quantized_dtype(chosen: torch.dtype, quantization: str, int8_activations: bool) -> torch.dtype:
+    """What `dtype auto` runs a model with int8 weights in, given what it picked without them.
+
+    Our int8 kernels take float32 rows, so a half model converts around every int8 matmul and
+    leaves the one-call decode loop: float32 is the faster there (on the AMX Xeon, bench model,
+    paired: Q8_0 weights in bf16 ran 0.77x float32's decode step at batch 1, 0.89x at 16). The
+    exception is bfloat16 on CPUs with AMX with a scale per row and no int8 activations: those
+    weights are multiplied by bf16 rows on AMX tiles (engine/model/quant.py), 1.5-3x float32's step.
+    """
+    if chosen == torch.float32:
+        return chosen
+    kernels = os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") != "1"
+    if chosen == torch.bfloat16 and quantization == "int8" and not int8_activations and cpu_has_amx_bf16() and kernels:
+        return chosen
+    key = (f"{quantization} weights", "float32")
+    if key not in _logged_dtype_choices:
+        _logged_dtype_choices.add(key)
+        log.info("dtype auto: %s weights%s compute in float32 here, so the model runs in float32 "
+                 "(pass dtype to force one)", quantization, " with int8 activations" if int8_activations else "")
+    return torch.float32
 
 
 def _resolve_dtype(dtype: str, cfg: dict[str, Any], device: str) -> torch.dtype:

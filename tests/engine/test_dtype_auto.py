@@ -95,3 +95,28 @@ def test_a_config_without_layer_shapes_keeps_float32_untimed(monkeypatch):
     monkeypatch.setattr(dtype_probe, "bf16_beats_float32", lambda shapes: pytest.fail("nothing to time"))
     dtype, why = config.auto_cpu_dtype_here(torch.bfloat16, {"hidden_size": 64, "num_attention_heads": 2})
     assert dtype == torch.float32 and "layer shapes" in why
+
+
+@pytest.mark.parametrize("quantization, int8_activations, amx, expected", [
+    ("int8", False, True, torch.bfloat16),  # bf16 rows on AMX tiles: faster than float32
+    ("int8", False, False, torch.float32),  # the float32 int8 kernels: a half model converts around them
+    ("q8_0", False, True, torch.float32),  # group scales keep the float32 kernels, AMX or not
+    ("int8", True, True, torch.float32),  # so do int8 activations
+])
+def test_int8_weights_run_in_bfloat16_only_where_amx_multiplies_them(tmp_path, monkeypatch, quantization,
+                                                                      int8_activations, amx, expected):
+    half = build_random_model(tmp_path / "bf16", arch="llama", hidden_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, dtype="bfloat16")
+    monkeypatch.setattr(config.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(config, "_logged_dtype_choices", set())
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(config, "auto_cpu_dtype_here", lambda checkpoint, cfg: (torch.bfloat16, "timed: faster"))
+    monkeypatch.setattr(config, "cpu_has_amx_bf16", lambda: amx)
+    monkeypatch.delenv("PDSERVE_DISABLE_CPU_KERNELS", raising=False)
+    args = EngineArgs(model=str(half), device="cpu", quantization=quantization, int8_activations=int8_activations)
+    assert args.create_engine_config().model.dtype == expected
+    # Without int8 weights the checkpoint keeps what the rule picked; an explicit dtype is honoured.
+    assert EngineArgs(model=str(half), device="cpu").create_engine_config().model.dtype == torch.bfloat16
+    explicit = EngineArgs(model=str(half), device="cpu", dtype="bfloat16", quantization=quantization,
+                          int8_activations=int8_activations)
+    assert explicit.create_engine_config().model.dtype == torch.bfloat16
