@@ -36,6 +36,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// ldtilecfg with `cfg`. GCC 12's builtin is not seen to read the whole record: inlined into a
+// caller, the stores of the rows and widths were dropped as dead, leaving palette 1 with no tile
+// configured, and the first tile instruction faulted (SIGILL). The empty asm, reading all 64
+// bytes, keeps every store ahead of the load.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
 #endif  // PDSERVE_AMX
 
 }  // namespace pdserve_amx

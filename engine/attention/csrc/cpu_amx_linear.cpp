@@ -52,7 +52,7 @@ void configure_tiles(int rows) {
     cfg.rows[t] = t < 5 ? rows : kRows;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  pdserve_amx::load_tile_config(cfg);
 }
 
 // Accumulator tiles 0..N-1: zeroed before a pass, stored after it to c, 256 floats (16 x 16) apart.

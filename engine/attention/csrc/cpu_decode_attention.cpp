@@ -67,7 +67,7 @@ inline void configure_score_tiles(int group) {
     cfg.rows[t] = kKeyRows;
     cfg.colsb[t] = (t == 1 || t == 6) ? 64 : static_cast<uint16_t>(4 * group);
   }
-  _tile_loadconfig(&cfg);
+  pdserve_amx::load_tile_config(cfg);
 }
 
 template <int NC>
