@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_amx.h"
@@ -72,8 +73,22 @@ inline void store_accumulators(float* c) {
   if (N > 3) _tile_stored(3, c + 768, 64);
 }
 
-inline const uint16_t* tile_of(const uint16_t* w, int64_t k_blocks, int64_t block, int64_t kb) {
+// Tile [block / 4][kb][block % 4] of weights in the packed layout (bf16 or int8 elements).
+template <typename T>
+inline const T* tile_of(const T* w, int64_t k_blocks, int64_t block, int64_t kb) {
   return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
+}
+
+// f(std::integral_constant<int, count>{}) for a count of 1 to 4: the tile routines take their
+// number of accumulators as a template argument.
+template <typename F>
+inline void with_count(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
 }
 
 // C[j] += the row block of x at a (row stride lda elements) · weight tile b[j], for j < NB: tile 4
@@ -213,19 +228,27 @@ inline void store_rows(const float* c, int64_t rows, int64_t block, const Output
   }
 }
 
-// Up to 16 rows, output blocks [b0, b1): four per pass.
-void few_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks, int64_t b0,
-              int64_t b1, const Output& out) {
+// Up to 16 rows, output blocks [b0, b1), four per pass: `blocks(n, block, c)` multiplies the n
+// blocks from `block` into c (n an integral_constant).
+template <typename Blocks>
+void few_rows(int64_t m_size, int64_t b0, int64_t b1, const Output& out, Blocks&& blocks) {
   alignas(64) float c[kGroup * kRows * kBlock];
   for (int64_t block = b0; block < b1; block += kGroup) {
-    const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
-    switch (nb) {
-      case 1: blocks_times<1>(x, lda, w, k_blocks, block, c); break;
-      case 2: blocks_times<2>(x, lda, w, k_blocks, block, c); break;
-      case 3: blocks_times<3>(x, lda, w, k_blocks, block, c); break;
-      default: blocks_times<4>(x, lda, w, k_blocks, block, c); break;
-    }
-    for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, out, 0);
+    const int64_t nb = std::min<int64_t>(kGroup, b1 - block);
+    with_count(nb, [&](auto n) { blocks(n, block, c); });
+    for (int64_t j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, out, 0);
+  }
+}
+
+// Past 16 rows, output block `out_block` in chunks of up to four row blocks: `chunk(r, m, c)`
+// multiplies the r row blocks from row m into c (r an integral_constant; m == 0 is the first pass).
+template <typename Chunk>
+void in_row_chunks(int64_t m_size, int64_t out_block, const Output& out, float* c, Chunk&& chunk) {
+  constexpr int64_t kChunk = 4 * kRows;
+  for (int64_t m = 0; m < m_size; m += kChunk) {
+    const int64_t rows = std::min(kChunk, m_size - m);
+    with_count((rows + kRows - 1) / kRows, [&](auto r) { chunk(r, m, c); });
+    store_rows(c, rows, out_block, out, m);
   }
 }
 
@@ -255,21 +278,10 @@ void many_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
     }
   }
   // Up to four row blocks per pass over one output block; its tiles stay in cache after the first.
-  constexpr int64_t kChunk = 4 * kRows;
-  for (; block < b1; ++block) {
-    for (int64_t m = 0; m < m_size; m += kChunk) {
-      const uint16_t* xr = x + m * lda;
-      const bool fetch = m == 0;
-      const int64_t rows = std::min(kChunk, m_size - m);
-      switch ((rows + kRows - 1) / kRows) {
-        case 1: rows_times<1>(xr, lda, w, k_blocks, block, fetch, c); break;
-        case 2: rows_times<2>(xr, lda, w, k_blocks, block, fetch, c); break;
-        case 3: rows_times<3>(xr, lda, w, k_blocks, block, fetch, c); break;
-        default: rows_times<4>(xr, lda, w, k_blocks, block, fetch, c); break;
-      }
-      store_rows(c, rows, first + block, out, m);
-    }
-  }
+  for (; block < b1; ++block)
+    in_row_chunks(m_size, first + block, out, c, [&](auto r, int64_t m, float* acc) {
+      rows_times<decltype(r)::value>(x + m * lda, lda, w, k_blocks, block, m == 0, acc);
+    });
 }
 
 void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks,
@@ -278,7 +290,9 @@ void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
   at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles(static_cast<int>(std::min(kRows, m_size)));
     if (m_size <= kRows) {
-      few_rows(x, lda, m_size, w, k_blocks, b0, b1, out);
+      few_rows(m_size, b0, b1, out, [&](auto n, int64_t block, float* c) {
+        blocks_times<decltype(n)::value>(x, lda, w, k_blocks, block, c);
+      });
     } else {
       many_rows(x, lda, m_size, w, k_blocks, b0, b1, 0, out);
     }
@@ -335,10 +349,6 @@ inline void widen_tile(const uint8_t* tile, uint16_t* out, const WidenTables& t)
   }
 }
 
-inline const uint8_t* int8_tile_of(const uint8_t* w, int64_t k_blocks, int64_t block, int64_t kb) {
-  return w + ((block / kGroup * k_blocks + kb) * kGroup + block % kGroup) * kTile;
-}
-
 // Up to 16 rows, NB output blocks from `block`: as blocks_times, the weight tiles widened one
 // k-block ahead into a second buffer, so a tile load never waits on the stores just made to it.
 template <int NB>
@@ -346,16 +356,16 @@ void int8_blocks_times(const uint16_t* x, int64_t lda, const uint8_t* w, int64_t
                        const WidenTables& tables, float* c) {
   alignas(64) uint16_t widened[2][kGroup][kTile];
   zero_accumulators<NB>();
-  for (int j = 0; j < NB; ++j) widen_tile(int8_tile_of(w, k_blocks, block + j, 0), widened[0][j], tables);
+  for (int j = 0; j < NB; ++j) widen_tile(tile_of(w, k_blocks, block + j, 0), widened[0][j], tables);
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     for (int64_t ahead = kb == 0 ? 1 : kAhead; ahead <= kAhead && kb + ahead < k_blocks; ++ahead)
       for (int j = 0; j < NB; ++j) {
-        const char* next = reinterpret_cast<const char*>(int8_tile_of(w, k_blocks, block + j, kb + ahead));
+        const char* next = reinterpret_cast<const char*>(tile_of(w, k_blocks, block + j, kb + ahead));
         for (int64_t line = 0; line < kTile; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
       }
     if (kb + 1 < k_blocks)
       for (int j = 0; j < NB; ++j)
-        widen_tile(int8_tile_of(w, k_blocks, block + j, kb + 1), widened[(kb + 1) & 1][j], tables);
+        widen_tile(tile_of(w, k_blocks, block + j, kb + 1), widened[(kb + 1) & 1][j], tables);
     const uint16_t* b[NB];
     for (int j = 0; j < NB; ++j) b[j] = widened[kb & 1][j];
     row_block_times<NB>(x + kb * kK, lda, b);
@@ -375,10 +385,10 @@ void int8_rows_times(const uint16_t* x, int64_t lda, const uint8_t* w, int64_t k
     uint16_t* b = panel + kb * kTile;
     if (widen) {
       for (int64_t ahead = kb == 0 ? 0 : 4 * kAhead; ahead <= 4 * kAhead && kb + ahead < k_blocks; ++ahead) {
-        const char* next = reinterpret_cast<const char*>(int8_tile_of(w, k_blocks, block, kb + ahead));
+        const char* next = reinterpret_cast<const char*>(tile_of(w, k_blocks, block, kb + ahead));
         for (int64_t line = 0; line < kTile; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
       }
-      widen_tile(int8_tile_of(w, k_blocks, block, kb), b, tables);
+      widen_tile(tile_of(w, k_blocks, block, kb), b, tables);
     }
     weight_tile_times<R>(x + kb * kK, lda, b);
   }
@@ -398,17 +408,9 @@ void int8_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint8_t* w
     at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
       configure_tiles(static_cast<int>(m_size));
       const WidenTables tables;
-      alignas(64) float c[kGroup * kRows * kBlock];
-      for (int64_t block = b0; block < b1; block += kGroup) {
-        const int nb = static_cast<int>(std::min<int64_t>(kGroup, b1 - block));
-        switch (nb) {
-          case 1: int8_blocks_times<1>(x, lda, w, k_blocks, block, tables, c); break;
-          case 2: int8_blocks_times<2>(x, lda, w, k_blocks, block, tables, c); break;
-          case 3: int8_blocks_times<3>(x, lda, w, k_blocks, block, tables, c); break;
-          default: int8_blocks_times<4>(x, lda, w, k_blocks, block, tables, c); break;
-        }
-        for (int j = 0; j < nb; ++j) store_rows(c + j * kRows * kBlock, m_size, block + j, out, 0);
-      }
+      few_rows(m_size, b0, b1, out, [&](auto n, int64_t block, float* c) {
+        int8_blocks_times<decltype(n)::value>(x, lda, w, k_blocks, block, tables, c);
+      });
       _tile_release();
     });
     return;
@@ -420,20 +422,10 @@ void int8_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint8_t* w
       alignas(64) float c[kGroup * kRows * kBlock];
       std::vector<uint16_t> widened;
       uint16_t* panel = aligned_buffer(widened, k_blocks);
-      constexpr int64_t kChunk = 4 * kRows;
-      for (int64_t block = b0; block < b1; ++block) {
-        for (int64_t m = 0; m < m_size; m += kChunk) {
-          const uint16_t* xr = x + m * lda;
-          const int64_t rows = std::min(kChunk, m_size - m);
-          switch ((rows + kRows - 1) / kRows) {
-            case 1: int8_rows_times<1>(xr, lda, w, k_blocks, block, m == 0, panel, tables, c); break;
-            case 2: int8_rows_times<2>(xr, lda, w, k_blocks, block, m == 0, panel, tables, c); break;
-            case 3: int8_rows_times<3>(xr, lda, w, k_blocks, block, m == 0, panel, tables, c); break;
-            default: int8_rows_times<4>(xr, lda, w, k_blocks, block, m == 0, panel, tables, c); break;
-          }
-          store_rows(c, rows, block, out, m);
-        }
-      }
+      for (int64_t block = b0; block < b1; ++block)
+        in_row_chunks(m_size, block, out, c, [&](auto r, int64_t m, float* acc) {
+          int8_rows_times<decltype(r)::value>(x + m * lda, lda, w, k_blocks, block, m == 0, panel, tables, acc);
+        });
       _tile_release();
     });
     return;
