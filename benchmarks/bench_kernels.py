@@ -12,8 +12,9 @@ lm_head, weights read from memory as in a real step) three ways: weights in pane
 csrc/cpu_panel_linear.cpp), oneDNN's packed layout, and F.linear (MKL), at 1 to 1024 rows; and
 whole decode steps (batch 1, 16, 64) of that model loaded twice in one process, once with each
 float32 packing (layers.float_packing), the step kinds alternated between the two. Where the CPU
-has AMX, the same in bfloat16: weights in AMX tiles (csrc/cpu_amx_linear.cpp) against oneDNN's
-packing and F.linear, with the GB/s the weights stream at, and whole steps with each bf16 packing.
+has AMX or AVX512-BF16, the same in bfloat16: weights in AMX tiles (csrc/cpu_amx_linear.cpp) or in
+pair groups (csrc/cpu_bf16_pair_linear.cpp) against oneDNN's packing and F.linear, with the GB/s the
+weights stream at, and whole steps with each bf16 packing.
 Last, whether torch.compile would pay: the MLP half of a layer as the engine runs it against
 inductor's compile of the reference expression (static shapes, frozen weights) at 1/16/64 rows,
 with the one-time compile cost.
@@ -149,14 +150,24 @@ def run_compile(dtype: torch.dtype, token_counts: list[int], rounds: int, min_s:
     return rows
 
 
-# Our layout per weight dtype: float32 in panels, bfloat16 in AMX tiles; each against oneDNN's packing.
-OUR_LAYOUT = {torch.float32: "panels", torch.bfloat16: "amx"}
-LAYOUT_NAME = {"panels": "panels", "amx": "AMX tiles"}
+LAYOUT_NAME = {"panels": "panels", "amx": "AMX tiles", "pairs": "pair groups"}
+
+
+def our_layout(dtype: torch.dtype) -> str | None:
+    """Our layout for `dtype` weights on this CPU (float32: panels; bfloat16: AMX tiles, else pair
+    groups with AVX512-BF16), each measured against oneDNN's packing; None where we have none."""
+    from pdserve.engine.model import layers
+
+    if dtype == torch.float32:
+        return "panels" if layers.panels_supported() else None
+    if layers.amx_supported():
+        return "amx"
+    return "pairs" if layers.pair_groups_supported() else None
 
 
 def matmul_title(dtype: torch.dtype) -> str:
     """The title of run_matmuls' table for `dtype`."""
-    name, layout = str(dtype).removeprefix("torch."), LAYOUT_NAME[OUR_LAYOUT[dtype]]
+    name, layout = str(dtype).removeprefix("torch."), LAYOUT_NAME[our_layout(dtype) or "panels"]
     return (f"a decode step's {name} matmuls (bench model): weights in {layout} vs oneDNN's packing vs F.linear "
             "(ms per step and GB/s of weights, medians of alternated rounds; sum_gb_s: a plain sum's read rate; "
             f"ratios: medians of the paired ratios, > 1: {layout} faster)")
@@ -164,7 +175,7 @@ def matmul_title(dtype: torch.dtype) -> str:
 
 def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     """ms per decode step's matmuls in `dtype`, per layout (ours: float32 in panels, bfloat16 in AMX
-    tiles; oneDNN's packing; F.linear), alternated round by round: the medians, the GB/s the weights
+    tiles or pair groups; oneDNN's packing; F.linear), alternated round by round: the medians, the GB/s the weights
     stream at with a plain sum's read rate beside them, and our layout's speed against the others as
     the median of the paired ratios (this machine's speed drifts within minutes; a round's pair does not)."""
     import torch.nn.functional as F
@@ -181,15 +192,18 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
     if dtype == torch.float32 and layers.panels_supported():
         panels = [layers.to_panels(w) for w in weights]
         ways["panels"] = lambda x, w, i: torch.ops.pdserve_cpu.panel_linear(x, panels[i], w.shape[0])
-    if dtype == torch.bfloat16 and layers.amx_supported():
+    ours = our_layout(dtype)
+    if dtype == torch.bfloat16 and ours == "amx":
         tiles = [layers.to_amx_tiles(w) for w in weights]
         ways["amx"] = lambda x, w, i: torch.ops.pdserve_cpu.amx_linear(x, tiles[i], w.shape[0])
+    if dtype == torch.bfloat16 and ours == "pairs":
+        pairs = [layers.to_pair_groups(w) for w in weights]
+        ways["pairs"] = lambda x, w, i: torch.ops.pdserve_cpu.pair_linear(x, pairs[i], w.shape[0])
     if layers.packing_supported(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
     streamed = torch.ones((1 << 30) // 4)  # the read rate of a plain sum, next to each round
     ways["sum"] = lambda x, w, i: streamed.sum() if i == 0 else None
-    ours = OUR_LAYOUT[dtype]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
     for count in row_counts:
@@ -225,7 +239,7 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
 
 def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
     """ms per step (bench_offline's step kinds) with weights in our layout (float32: panels, bfloat16:
-    AMX tiles) and in oneDNN's: two engines on the same checkpoint in this process, alternated; the
+    AMX tiles or pair groups) and in oneDNN's: two engines on the same checkpoint in this process, alternated; the
     medians and the median of the paired ratios."""
     import os
 
@@ -236,16 +250,12 @@ def run_packing_steps(rounds: int, dtype: str = "float32") -> list[dict]:
     from pdserve.engine import LLM
     from pdserve.engine.model import layers
 
-    if dtype == "float32":
-        variable, packings = "PDSERVE_FLOAT_PACKING", layers.FLOAT_PACKINGS
-        usable = layers.panels_supported() and layers.packing_supported(torch.float32)
-    else:
-        variable, packings = "PDSERVE_BF16_PACKING", layers.BF16_PACKINGS
-        usable = layers.amx_supported() and layers.packing_supported(torch.bfloat16)
+    ours = our_layout(getattr(torch, dtype))
+    variable = "PDSERVE_FLOAT_PACKING" if dtype == "float32" else "PDSERVE_BF16_PACKING"
+    packings = (ours, "onednn")
     kinds = list(step_profile.DEFAULT_KINDS)
-    if not usable:
+    if ours is None or not layers.packing_supported(getattr(torch, dtype)):
         return []
-    ours = packings[0]
     before = os.environ.get(variable)
     engines = {}
     try:
@@ -366,14 +376,14 @@ def main(argv: list[str]) -> None:
     if not args.no_matmuls:
         matmul_rows = run_matmuls([1, 16, 256] if args.quick else [1, 4, 16, 32, 64, 128, 512],
                                   rounds=2 if args.quick else 6, dtype=torch.bfloat16)
-        if any("amx_ms" in row for row in matmul_rows):
+        if any(f"{our_layout(torch.bfloat16)}_ms" in row for row in matmul_rows):
             write_report("kernels_matmul_bf16", matmul_rows, title=matmul_title(torch.bfloat16),
                          meta={"threads": torch.get_num_threads(), "quick": args.quick})
     if not args.no_packing_steps:
         for name, table in (("float32", "kernels_packing_steps"), ("bfloat16", "kernels_bf16_packing_steps")):
             step_rows = run_packing_steps(rounds=2 if args.quick else 6, dtype=name)
             if step_rows:
-                ours = OUR_LAYOUT[getattr(torch, name)]
+                ours = our_layout(getattr(torch, name))
                 write_report(table, step_rows,
                              title=f"steps of the bench model, {name} weights in "
                                    f"{LAYOUT_NAME[ours]} vs oneDNN's packing (ms per step, medians; both engines in "

@@ -38,7 +38,7 @@ ROUNDS = 5
 # A big model's matmuls are timed on a band of their rows: its whole layer would cost seconds and
 # gigabytes at start-up, and the ratio asked for does not change with the band's height.
 MAX_WEIGHT_ELEMENTS = 4 << 20
-PROBE_VERSION = 3
+PROBE_VERSION = 4  # 4: bfloat16 weights in pair groups on AVX512-BF16 CPUs without AMX
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pdserve.engine.model.quant import Int8Linear
 
 # layers.linear's paths, numbered as the C++ loop's LinearPath.
 LINEAR_PATHS = {"torch": 0, "packed": 1, "kernel": 2, "kernel_serial": 3, "int8": 4, "panels": 5, "int8_a8": 6,
-                "amx": 7, "int8_gemm": 8, "amx_int8": 9}
+                "amx": 7, "int8_gemm": 8, "amx_int8": 9, "pairs": 10}
 
 
 def linear_path(module: nn.Module, rows: int) -> str | None:

@@ -115,9 +115,12 @@ def is_panels(packed: torch.Tensor) -> bool:
 # to 128 rows and level at 512; 1.2-2.5x faster than torch's F.linear on the plain weight up to
 # 128 rows, 1.27x at 256, 0.85-0.96x at 512. Whole steps: decode batch 16 1.16-1.30x, batch 1
 # 1.00-1.11x, batch 64 0.94-0.99x. Past AMX_MAX_ROWS (prefill chunks) F.linear takes over, level
-# with oneDNN's packing there. PDSERVE_BF16_PACKING=onednn keeps oneDNN's layout on an AMX CPU.
+# with oneDNN's packing there. Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and 5) they go in
+# pair groups (to_pair_groups, multiplied with vdpbf16ps by csrc/cpu_bf16_pair_linear.cpp) at every
+# row count: on a Zen 5, 1.2-1.35x oneDNN's packed matmul from 2 to 16 rows, level at 128-512, 0.95x
+# at 2048 and still 1.07x F.linear there. PDSERVE_BF16_PACKING=onednn keeps oneDNN's layout.
 AMX_MAX_ROWS = 256
-BF16_PACKINGS = ("amx", "onednn")
+BF16_PACKINGS = ("amx", "pairs", "onednn")
 
 
 @functools.cache
@@ -127,12 +130,47 @@ def amx_supported() -> bool:
         and bool(torch.ops.pdserve_cpu.amx_linear_available())
 
 
+@functools.cache
+def pair_groups_supported() -> bool:
+    """Whether our vdpbf16ps kernel is built here (the CPU has AVX512-BF16)."""
+    return fused.cpu_kernels_ready() and bool(torch.ops.pdserve_cpu.pair_linear_available())
+
+
 def bf16_packing() -> str:
-    """How bfloat16 weights are prepacked where the CPU has bf16 arithmetic: "amx" or "onednn"."""
+    """How bfloat16 weights are prepacked where the CPU has bf16 arithmetic: "amx", "pairs" or "onednn"."""
     chosen = os.environ.get("PDSERVE_BF16_PACKING", "")
     if chosen and chosen not in BF16_PACKINGS:
         raise ValueError(f"PDSERVE_BF16_PACKING={chosen!r}: expected one of {', '.join(BF16_PACKINGS)}")
-    return "amx" if chosen != "onednn" and amx_supported() else "onednn"
+    if chosen == "onednn":
+        return "onednn"
+    if amx_supported() and chosen != "pairs":
+        return "amx"
+    return "pairs" if pair_groups_supported() else "onednn"
+
+
+PAIR_GROUP = 48  # output rows per group of to_pair_groups: three vectors of 16 float32 sums
+
+
+def to_pair_groups(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [out, in] weight as [ceil(out / 48), ceil(in / 2), 48, 2]: element [g][q][j][h] is
+    W[48g + j][2q + h], zero past the weight's edges, so each group of 48 output rows is one run of
+    memory holding, per pair of inputs, every row's two weights side by side."""
+    out_features, in_features = weight.shape
+    groups, pairs = -(-out_features // PAIR_GROUP), -(-in_features // 2)
+    padded = weight.new_zeros(groups * PAIR_GROUP, pairs * 2)
+    padded[:out_features, :in_features] = weight
+    return padded.view(groups, PAIR_GROUP, pairs, 2).transpose(1, 2).contiguous()
+
+
+def from_pair_groups(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out, in] weight `to_pair_groups` laid out as `packed`."""
+    groups, pairs = packed.shape[:2]
+    rows = packed.transpose(1, 2).reshape(groups * PAIR_GROUP, pairs * 2)
+    return rows[:out_features, :in_features].contiguous()
+
+
+def is_pair_groups(packed: torch.Tensor) -> bool:
+    return not packed.is_mkldnn and packed.dim() == 4
 
 
 def to_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -171,6 +209,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return to_panels(weight.detach())
     if weight.dtype == torch.bfloat16 and bf16_packing() == "amx":
         return to_amx_tiles(weight.detach())
+    if weight.dtype == torch.bfloat16 and bf16_packing() == "pairs":
+        return to_pair_groups(weight.detach())
     if not packing_supported(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
@@ -213,13 +253,15 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
     bfloat16 on AVX512-BF16 or AVX2); "panels" for a weight in panels (float32, or bfloat16 on
     AVX2) at 2 to panel_max_rows() rows; "amx" for a bfloat16 weight in AMX tiles up to AMX_MAX_ROWS
-    rows; "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16
+    rows; "pairs" for one in pair groups (AVX512-BF16 without AMX) at any row count; "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16
     on CPUs without bf16 arithmetic; else "torch" (F.linear). The one-call decode step
     (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
     if packed is not None and is_amx_tiles(packed):
         return "amx" if rows <= AMX_MAX_ROWS else "torch"
+    if packed is not None and is_pair_groups(packed):
+        return "pairs"
     if packed is not None and is_panels(packed):
         if (rows > 1 or one_row == "packed") and rows <= panel_max_rows():
             return "panels"
@@ -243,8 +285,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     if path in ("kernel", "kernel_serial"):
         y = torch.ops.pdserve_cpu.float_linear(x, weight, path == "kernel_serial")
         return y if bias is None else y + bias
-    if path in ("panels", "amx"):  # our kernels on our layouts: 2-D x, the bias added after
-        op = torch.ops.pdserve_cpu.panel_linear if path == "panels" else torch.ops.pdserve_cpu.amx_linear
+    if path in ("panels", "amx", "pairs"):  # our kernels on our layouts: 2-D x, the bias added after
+        op = {"panels": torch.ops.pdserve_cpu.panel_linear, "amx": torch.ops.pdserve_cpu.amx_linear,
+              "pairs": torch.ops.pdserve_cpu.pair_linear}[path]
         y = op(x.reshape(-1, x.shape[-1]), packed, weight.shape[0]).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if path == "packed":

@@ -139,21 +139,27 @@ def test_layers_linear_takes_the_tiles_up_to_the_limit_and_keeps_shape_and_bias(
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("setting", ["amx", "onednn", ""])
+@pytest.mark.parametrize("setting", ["amx", "pairs", "onednn", ""])
 def test_the_bf16_packing_rule_and_its_override(monkeypatch, setting):
+    """AMX tiles where the CPU has AMX, else pair groups where it has AVX512-BF16, else oneDNN's
+    layout; "onednn" always takes oneDNN's, "pairs" takes pair groups over AMX tiles."""
     monkeypatch.setenv("PDSERVE_BF16_PACKING", setting)
     amx = not kernels_off and layers.amx_supported()
-    assert layers.bf16_packing() == ("amx" if amx and setting != "onednn" else "onednn")
+    pairs = not kernels_off and layers.pair_groups_supported()
+    want = "onednn" if setting == "onednn" else "amx" if amx and setting != "pairs" else "pairs" if pairs else "onednn"
+    assert layers.bf16_packing() == want
     packed = layers.pack_weight(randn(24, 8).bfloat16())
-    if layers.bf16_packing() == "amx":
+    if want == "amx":
         assert packed is not None and layers.is_amx_tiles(packed)
+    elif want == "pairs" and not layers.bf16_is_emulated():
+        assert packed is not None and layers.is_pair_groups(packed)
     else:  # oneDNN's opaque layout, panels where bf16 is emulated, or none
-        assert packed is None or not layers.is_amx_tiles(packed)
-    float32 = layers.pack_weight(randn(24, 8))
-    assert float32 is None or not layers.is_amx_tiles(float32)  # AMX tiles are for bfloat16 only
+        assert packed is None or not (layers.is_amx_tiles(packed) or layers.is_pair_groups(packed))
+    float32 = layers.pack_weight(randn(24, 8))  # AMX tiles and pair groups are for bfloat16 only
+    assert float32 is None or not (layers.is_amx_tiles(float32) or layers.is_pair_groups(float32))
 
 
 def test_an_unknown_bf16_packing_is_an_error_not_a_silent_default(monkeypatch):
     monkeypatch.setenv("PDSERVE_BF16_PACKING", "tiles")
-    with pytest.raises(ValueError, match="PDSERVE_BF16_PACKING='tiles': expected one of amx, onednn"):
+    with pytest.raises(ValueError, match="PDSERVE_BF16_PACKING='tiles': expected one of amx, pairs, onednn"):
         layers.bf16_packing()

@@ -132,12 +132,15 @@ def test_one_call_in_bfloat16_equals_the_modules(model_dir, monkeypatch, path):
     assert twice.one_call_steps >= 20 and twice.mismatches == []
 
 
-@pytest.mark.parametrize("packing", ["amx", "onednn"])
+@pytest.mark.parametrize("packing", ["amx", "pairs", "onednn"])
 def test_one_call_in_bfloat16_equals_the_modules_for_each_bf16_packing(model_dir, monkeypatch, packing):
-    """Weights in AMX tiles (layers.bf16_packing's pick where the CPU has AMX) or in oneDNN's
-    layout: the loop runs each as the modules do, for one row and several, qwen2's biases included."""
+    """Weights in AMX tiles (layers.bf16_packing's pick where the CPU has AMX), in pair groups (its
+    pick with AVX512-BF16 but no AMX) or in oneDNN's layout: the loop runs each as the modules do,
+    for one row and several, qwen2's biases included."""
     if packing == "amx" and not layers.amx_supported():
         pytest.skip("no AMX here: bfloat16 weights cannot go in AMX tiles")
+    if packing == "pairs" and not layers.pair_groups_supported():
+        pytest.skip("no AVX512-BF16 here: bfloat16 weights cannot go in pair groups")
     if packing == "onednn" and (not packing_supported(torch.bfloat16) or layers.bf16_is_emulated()):
         pytest.skip("bfloat16 weights do not take oneDNN's packing on this CPU")
     monkeypatch.setenv("PDSERVE_BF16_PACKING", packing)

@@ -20,7 +20,7 @@ namespace {
 // How one weight is multiplied, numbered as decode_call.LINEAR_PATHS.
 enum LinearPath : int64_t {
   kTorch = 0, kPacked = 1, kKernel = 2, kKernelSerial = 3, kInt8 = 4, kPanels = 5, kInt8A8 = 6, kAmx = 7, kInt8Gemm = 8,
-  kAmxInt8 = 9
+  kAmxInt8 = 9, kPairs = 10
 };
 
 using FloatLinear = at::Tensor(const at::Tensor&, const at::Tensor&, bool);
@@ -47,6 +47,7 @@ struct Ops {
   c10::TypedOperatorHandle<Int8Linear> int8_gemm = typed_op<Int8Linear>("pdserve_cpu::int8_gemm");
   c10::TypedOperatorHandle<PanelLinear> panel_linear = typed_op<PanelLinear>("pdserve_cpu::panel_linear");
   c10::TypedOperatorHandle<PanelLinear> amx_linear = typed_op<PanelLinear>("pdserve_cpu::amx_linear");
+  c10::TypedOperatorHandle<PanelLinear> pair_linear = typed_op<PanelLinear>("pdserve_cpu::pair_linear");
   c10::TypedOperatorHandle<Int8Linear> amx_int8_linear = typed_op<Int8Linear>("pdserve_cpu::amx_int8_linear");
   c10::TypedOperatorHandle<RmsNorm> rms_norm = typed_op<RmsNorm>("pdserve_cpu::rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = typed_op<AddRmsNorm>("pdserve_cpu::fused_add_rms_norm");
@@ -66,7 +67,8 @@ const Ops& ops() {
 // x Wᵀ (+ bias) by `path`, as layers.linear computes it for that path. On the int8 paths `weight`
 // holds the int8 values and `packed` their scales (quant.Int8Linear's qweight and scales; on the
 // AMX one the values are in AMX tiles); on the panels path `packed` holds the weight in panels
-// (layers.to_panels), on the AMX path in AMX tiles (layers.to_amx_tiles).
+// (layers.to_panels), on the AMX path in AMX tiles (layers.to_amx_tiles), on the pairs path in pair
+// groups (layers.to_pair_groups).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
                   const std::optional<at::Tensor>& bias, int64_t path) {
   switch (path) {
@@ -89,9 +91,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
       return bias.has_value() ? y + *bias : y;
     }
     case kPanels:
-    case kAmx: {
-      TORCH_CHECK(packed.has_value(), "decode_layers: a panels or AMX path without the weight in that layout");
-      at::Tensor y = (path == kPanels ? ops().panel_linear : ops().amx_linear).call(x, *packed, weight.size(0));
+    case kAmx:
+    case kPairs: {
+      TORCH_CHECK(packed.has_value(), "decode_layers: a panels, AMX or pairs path without the weight in that layout");
+      const auto& op = path == kPanels ? ops().panel_linear : path == kAmx ? ops().amx_linear : ops().pair_linear;
+      at::Tensor y = op.call(x, *packed, weight.size(0));
       return bias.has_value() ? y.add_(*bias) : y;
     }
     case kPacked: {
