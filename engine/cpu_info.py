@@ -30,6 +30,11 @@ def model_name() -> str:
     return _fields().get("model name") or platform.processor()
 
 
+def vendor() -> str:
+    """"GenuineIntel", "AuthenticAMD", ...; empty where there is no /proc/cpuinfo."""
+    return _fields().get("vendor_id", "")
+
+
 def flags() -> frozenset[str]:
     """The CPU feature flags; empty where there is no /proc/cpuinfo."""
     return frozenset(_fields().get("flags", "").split())

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import cpu_info
 from pdserve.engine.config import cpu_has_native_bf16
 from pdserve.engine.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from pdserve.engine.model import fused
@@ -77,9 +79,14 @@ def float_packing() -> str:
 
 @functools.cache
 def panel_max_rows() -> int:
-    """The most rows panels multiply before F.linear (MKL) takes over: 512 with the AVX2 tile, 256
-    with the AVX-512 one (a 512-token prefill ran 0.93x F.linear's there, 256 tokens 1.02x)."""
-    return 256 if panels_supported() and torch.ops.pdserve_cpu.gemm_tile_isa() == 512 else 512
+    """The most rows panels multiply before F.linear (MKL) takes over: 512 with the AVX2 tile (on a
+    Zen 3 panels ran level with MKL at 512 rows, 0.95x at 2048); with the AVX-512 one 256 on Intel (a
+    512-token prefill ran 0.93x F.linear's there, 256 tokens 1.02x) and every row count on AMD, where
+    MKL's float32 GEMM runs its AVX2 code: on a Zen 5 it ran 190 GFLOP/s at 256 to 4096 rows where
+    panels ran 455 to 316 (2.4x to 1.6x; bench_kernels' float32 matmul rows)."""
+    if not (panels_supported() and torch.ops.pdserve_cpu.gemm_tile_isa() == 512):
+        return 512
+    return sys.maxsize if cpu_info.vendor() == "AuthenticAMD" else 256
 
 
 @functools.cache

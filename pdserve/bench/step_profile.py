@@ -300,6 +300,11 @@ def _steps_of(driver: _Driver, kind: StepKind, vocab: int, count: int) -> Iterat
 
 
 def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int = 5, profiled: int = 2) -> StepProfile:
+    import os
+
+    # Kineto prints two lines to stderr per profiled step in this torch ("USDT: ... profiler_start")
+    # at its default level: a benchmark's report drowned in them. Read when its logger first starts.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -251,7 +251,9 @@ def test_linear_path_mirrors_the_rule_of_layers_linear(model_dir, float_packing,
         assert decode_call.linear_path(qkv, 16) == packed
         qkv.one_row = "packed"
         assert decode_call.linear_path(qkv, 1) == packed
-        assert decode_call.linear_path(qkv, 4096) == "torch"  # a big batch: F.linear beats both packings
+        # A big batch: F.linear beats both packings, but for panels where MKL runs its AVX2 code (AMD's AVX-512 CPUs).
+        big = "panels" if packing == "panels" and layers.panel_max_rows() >= 4096 else "torch"
+        assert decode_call.linear_path(qkv, 4096) == big
     finally:
         llm.shutdown()
 

@@ -146,7 +146,7 @@ def test_float16_weights_never_go_in_panels_and_bfloat16_only_without_bf16_arith
     packed = layers.pack_weight(randn(24, 8).bfloat16())
     if layers.bf16_is_emulated():  # AVX2: half the bytes of float32 to read, widened in the tile
         assert packed is not None and layers.is_panels(packed) and packed.dtype == torch.bfloat16
-    else:  # AVX512-BF16: oneDNN's bf16 arithmetic; AMX: AMX tiles (test_amx_linear)
+    else:  # AMX tiles (test_amx_linear), pair groups (test_pair_linear) or oneDNN's bf16 layout
         assert packed is None or not layers.is_panels(packed)
 
 
