@@ -260,9 +260,9 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     layout, or our kernel on all threads or on one: "kernel", "kernel_serial": float32 on AVX2,
     bfloat16 on AVX512-BF16 or AVX2); "panels" for a weight in panels (float32, or bfloat16 on
     AVX2) at 2 to panel_max_rows() rows; "amx" for a bfloat16 weight in AMX tiles up to AMX_MAX_ROWS
-    rows; "pairs" for one in pair groups (AVX512-BF16 without AMX) at any row count; "packed" (oneDNN) for PACKED_ROWS rows; "widened" bf16
-    on CPUs without bf16 arithmetic; else "torch" (F.linear). The one-call decode step
-    (decode_call) follows it too."""
+    rows; "pairs" for one in pair groups (AVX512-BF16 without AMX) at any row count; "packed" (oneDNN)
+    for PACKED_ROWS rows; "widened" bf16 on CPUs without bf16 arithmetic; else "torch" (F.linear).
+    The one-call decode step (decode_call) follows it too."""
     if rows == 1 and one_row in ("kernel", "kernel_serial"):
         return one_row
     if packed is not None and is_amx_tiles(packed):

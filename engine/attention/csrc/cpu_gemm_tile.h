@@ -110,7 +110,8 @@ constexpr int64_t kGroupSteps = 128;  // k steps per pass over the rows: 4 panel
 
 template <int MR, int NP, typename W>
 inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0, int64_t k1,
-                        float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale) {
+                        float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale,
+                        const W* ahead = nullptr) {
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -121,6 +122,11 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
     acc[i][NP - 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, out + i * ldo + (NP - 1) * kPanel);
   }
   for (int64_t k = k0; k < k1; ++k) {
+    if (ahead != nullptr && starts_line<W>(k)) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + k * kPanel), _MM_HINT_T0);
+    }
     __m512 wv[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) wv[j] = load_panel(panels + j * panel_size + k * kPanel);
@@ -151,22 +157,29 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
 // `micro_group<MR, NP>` for the rows and panel count chosen at run time.
 template <int NP, int MR = kGroupRows, typename W>
 inline void micro_group_rows(int rows, const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0,
-                             int64_t k1, float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale) {
+                             int64_t k1, float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale,
+                             const W* ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
-    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    if (rows == MR)
+      return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
   }
 }
 
+// `ahead`, where given, is fetched line by line as the tile reads `panels` (ahead + j * panel_size + k * kPanel).
 template <typename W>
 inline void micro_group_any(int panels_here, int rows, const float* x, int64_t ldx, const W* panels,
                             int64_t panel_size, int64_t k0, int64_t k1, float* out, int64_t ldo, int64_t cols,
-                            bool first, const float* row_scale = nullptr) {
+                            bool first, const float* row_scale = nullptr, const W* ahead = nullptr) {
   switch (panels_here) {
-    case 4: return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
-    case 3: return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
-    case 2: return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
-    default: return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale);
+    case 4:
+      return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+    case 3:
+      return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+    case 2:
+      return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+    default:
+      return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
   }
 }
 #elif PDSERVE_GEMM_ISA == 256

@@ -38,19 +38,31 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
 #if PDSERVE_GEMM_ISA == 512
   // Each thread's share of panels in groups of kGroupPanels (a narrower last group). A group is
   // multiplied kGroupSteps steps of k at a time, by all rows kGroupRows at a time, so the rows after
-  // the first find the weights in L1 (1.03-1.05x one pass over all of k per row block). No software
-  // prefetch: on the AVX-512 Xeon the hardware's streams kept pace (measured level with and without).
+  // the first find the weights in L1 (1.03-1.05x one pass over all of k per row block).
   using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows, pdserve_gemm::kGroupSteps;
+  // With more than one row block, the first fetches the weights a pass ahead while the others compute
+  // from L1. On a Zen 5 (the bench model's 49 matmuls, 2 threads, alternated with oneDNN's): 16 rows
+  // 0.99-1.0x oneDNN's speed where they were 0.92-0.94x, 32 rows 1.02x (0.99), 64 0.97x (0.95-0.96);
+  // two passes ahead did less. One row is left to the hardware: a fetch there only cost (1.07-1.13x
+  // oneDNN with it, 1.18-1.23x without). On the AVX-512 Xeon the hardware's streams had kept pace.
+  constexpr int64_t kAhead = kGroupSteps;
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p += kGroupPanels) {
       const int here = static_cast<int>(std::min<int64_t>(kGroupPanels, p1 - p));
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, n_size - (p + here - 1) * kPanel);
       for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSteps) {
         const int64_t k1 = std::min(k_size, k0 + kGroupSteps);
+        // What the next pass reads: this group's weights kAhead steps on or, past its end, the next
+        // group's first ones (when this thread has one).
+        const W* ahead = nullptr;
+        if (m_size > kGroupRows) {
+          if (k0 + kAhead < k_size) ahead = wp + p * panel_size + kAhead * kPanel;
+          else if (p + kGroupPanels < p1) ahead = wp + (p + kGroupPanels) * panel_size + (kAhead - k_size) * kPanel;
+        }
         for (int64_t m = 0; m < m_size; m += kGroupRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m_size - m));
           pdserve_gemm::micro_group_any(here, rows, xp + m * ldx, ldx, wp + p * panel_size, panel_size, k0, k1,
-                                        op + m * n_size + n0, n_size, cols, k0 == 0);
+                                        op + m * n_size + n0, n_size, cols, k0 == 0, nullptr, m == 0 ? ahead : nullptr);
         }
       }
     }
