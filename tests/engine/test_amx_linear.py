@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.engine.model import layers
-from support.linear_checks import assert_rows_independent
+from support.linear_checks import assert_rounded_once, assert_rows_independent
 
 kernels_off = os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1"
 needs_amx = pytest.mark.skipif(kernels_off or not layers.amx_supported(),
@@ -67,15 +67,7 @@ def test_the_product_sums_in_float32_and_rounds_once(out_features, in_features, 
     rounded sum, equal to it on nearly every element, and as close to it as torch's own bf16 matmul."""
     weight = (randn(out_features, in_features, seed=1) / 7).bfloat16()
     x = randn(rows, in_features, seed=2).bfloat16()
-    got = amx_linear(x, weight)
-    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-    rounded = (x.double() @ weight.double().T).to(torch.bfloat16).double()
-    step = rounded.abs().clamp_min(1e-30) * 2.0 ** -7
-    float32_error = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
-    assert ((got.double() - rounded).abs() <= step + float32_error).all()
-    assert (got.double() == rounded).float().mean() > 0.9
-    torch_agrees = (torch.nn.functional.linear(x, weight).double() == rounded).float().mean()
-    assert (got.double() == rounded).float().mean() >= torch_agrees - 0.02
+    assert_rounded_once(amx_linear(x, weight), x, weight)
 
 
 @needs_amx
