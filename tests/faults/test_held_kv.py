@@ -32,9 +32,9 @@ HELD = "pdserve:kv_blocks_held_for_remote"
 EXPIRED = "pdserve:kv_transfers_expired_total"
 EXTERNAL = "pdserve:kv_external_tokens_total"
 RENEWAL_FAILURES = "pdserve:kv_lease_renewal_failures_total"
-MAX_MODEL_LEN = 8192
-# Keeps the decode engine's only slot busy well past 1.5 leases on any machine; the test hangs up
-# on it when it is done waiting.
+MAX_MODEL_LEN = 65536
+# Keeps the decode engine's only slot busy well past 1.5 leases on any machine (8176 tokens did not
+# on a Zen 5: under 7 s; these take about 40 s there); the test hangs up on it when it is done waiting.
 LONG_BODY = {"prompt": [7, 8, 9, 10, 11], "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0, "ignore_eos": True,
              "stream": True}
 
@@ -85,13 +85,14 @@ def prompt_of(seed: int, length: int, vocab: int = 1000) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(model_dir) -> str:
-    return model_dir("llama_long")
+    return model_dir("llama_64k")
 
 
 @pytest.fixture(scope="module")
 def pair(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("held-kv")
-    common = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "600")
+    # Blocks of 16 tokens: the long request's whole context and the few short ones beside it.
+    common = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(MAX_MODEL_LEN // 16 + 200))
     started = [
         launch_server(model, *common, "--kv-transfer-config",
                       p2p_config("kv_producer", transport="tcp", kv_lease_duration=LEASE_S), tmp_path=tmp),

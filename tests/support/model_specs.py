@@ -23,6 +23,9 @@ MODEL_SPECS: dict[str, dict] = {
 # The llama checkpoint with room for requests long enough to still run, on any machine, when a
 # test acts on them (kills a rank, disconnects): 900 tokens take under a second on a fast core.
 MODEL_SPECS["llama_long"] = dict(MODEL_SPECS["llama"], max_position_embeddings=16384)
+# Room for one request that must outlast several seconds of a test's actions: 8176 tokens of this
+# model took under 7 s on a Zen 5 (test_held_kv's slot holder finished before its 6 s wait was over).
+MODEL_SPECS["llama_64k"] = dict(MODEL_SPECS["llama"], max_position_embeddings=65536)
 
 # The llama checkpoint's attention shapes (GQA group 2, head_dim 32) in two layers, for the Triton
 # interpreter, where each layer's attention costs seconds: two layers still share one step's plan.

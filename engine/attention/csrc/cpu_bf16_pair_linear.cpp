@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -39,9 +38,11 @@ constexpr int64_t kPanel = 16;  // output columns per panel: one vector of float
 constexpr int kGroup = 3;       // panels of a group, multiplied together
 
 #if PDSERVE_PAIR_PANELS
-constexpr int kRows = 8;          // 8 rows x 3 panels: 24 accumulators + 3 weight vectors of 32 registers;
-constexpr int64_t kLine = kGroup * kPanel;  // a 16-row decode batch is two blocks
-constexpr int64_t kSteps = 128;   // pairs per pass over the row blocks: the group's 24 KiB stay in L1
+// 8 rows x 3 panels: 24 accumulators and 3 weight vectors of the 32 registers; a 16-row decode batch
+// is two row blocks.
+constexpr int kRows = 8;
+constexpr int64_t kLine = kGroup * kPanel;  // a group's outputs: its float32 sums per row
+constexpr int64_t kSteps = 128;  // pairs per pass over the row blocks: the group's 24 KiB stay in L1
 // How far ahead of the first row block the weights are fetched, in pairs (two passes: 48 KiB). On the
 // Zen 5, 16 rows of a decode step's weights ran 1.2-1.27x faster with it than with the hardware's
 // prefetch alone (1.06x at 384 pairs, 1.03x with the lines fetched to L2 only, 1.17x when every row
