@@ -189,16 +189,11 @@ def run_matmuls(row_counts: list[int], rounds: int, dtype: torch.dtype = torch.f
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out_f, in_f, generator=gen) * 0.02).to(dtype) for out_f, in_f in shapes]
     ways = {"F.linear": lambda x, w, i: F.linear(x, w)}
-    if dtype == torch.float32 and layers.panels_supported():
-        panels = [layers.to_panels(w) for w in weights]
-        ways["panels"] = lambda x, w, i: torch.ops.pdserve_cpu.panel_linear(x, panels[i], w.shape[0])
     ours = our_layout(dtype)
-    if dtype == torch.bfloat16 and ours == "amx":
-        tiles = [layers.to_amx_tiles(w) for w in weights]
-        ways["amx"] = lambda x, w, i: torch.ops.pdserve_cpu.amx_linear(x, tiles[i], w.shape[0])
-    if dtype == torch.bfloat16 and ours == "pairs":
-        pairs = [layers.to_pair_groups(w) for w in weights]
-        ways["pairs"] = lambda x, w, i: torch.ops.pdserve_cpu.pair_linear(x, pairs[i], w.shape[0])
+    if ours is not None:
+        pack = {"panels": layers.to_panels, "amx": layers.to_amx_tiles, "pairs": layers.to_pair_groups}[ours]
+        packed, op = [pack(w) for w in weights], layers.layout_op(ours)
+        ways[ours] = lambda x, w, i: op(x, packed[i], w.shape[0])
     if layers.packing_supported(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         ways["onednn"] = lambda x, w, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")

@@ -280,6 +280,12 @@ def linear_path(weight: torch.Tensor, packed: torch.Tensor | None, one_row: str 
     return "torch"
 
 
+def layout_op(layout: str) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """Our kernel for weights in `layout` ("panels", "amx" or "pairs"): (2-D x, packed weight, out_features)."""
+    ops = torch.ops.pdserve_cpu
+    return ops.panel_linear if layout == "panels" else ops.amx_linear if layout == "amx" else ops.pair_linear
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, packed: torch.Tensor | None,
            quantized: Callable[[torch.Tensor], torch.Tensor] | None = None,
            one_row: str | None = None) -> torch.Tensor:
@@ -293,9 +299,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
         y = torch.ops.pdserve_cpu.float_linear(x, weight, path == "kernel_serial")
         return y if bias is None else y + bias
     if path in ("panels", "amx", "pairs"):  # our kernels on our layouts: 2-D x, the bias added after
-        op = {"panels": torch.ops.pdserve_cpu.panel_linear, "amx": torch.ops.pdserve_cpu.amx_linear,
-              "pairs": torch.ops.pdserve_cpu.pair_linear}[path]
-        y = op(x.reshape(-1, x.shape[-1]), packed, weight.shape[0]).reshape(*x.shape[:-1], weight.shape[0])
+        y = layout_op(path)(x.reshape(-1, x.shape[-1]), packed, weight.shape[0]).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     if path == "packed":
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
