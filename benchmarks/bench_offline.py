@@ -196,7 +196,9 @@ def measure_matmul_rate(dtype: torch.dtype, n: int = 2048) -> float:
         # packed matmul: on AMD's AVX-512 CPUs MKL's float32 GEMM runs AVX2 code at half the rate of the
         # other two, so F.linear alone made a roofline that a step could beat twice over.
         packed = layers.pack_weight(w)
-        ways = [lambda: torch.nn.functional.linear(x, w), lambda: layers.linear(x, w, None, packed)]
+        ways = [lambda: torch.nn.functional.linear(x, w)]
+        if layers.linear_path(w, packed, None, n) != "torch":  # else the engine's path is that same F.linear
+            ways.append(lambda: layers.linear(x, w, None, packed))
         if layers.packing_supported(dt):
             onednn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             ways.append(lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""))
