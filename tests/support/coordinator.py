@@ -115,6 +115,9 @@ class FakeEngine:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        # A PUSH socket with no peer blocks on send: an outsider whose handshake the coordinator refused
+        # has none. A send fails (zmq.Again) after this long instead of hanging the test.
+        self.sock.setsockopt(zmq.SNDTIMEO, 5000)
         internal_auth.secure_client(self.sock, _key(key))
         self.sock.connect(f"tcp://{stats_address}")
         self.engine_id, self.role, self.address = engine_id, role, address
