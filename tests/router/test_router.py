@@ -426,6 +426,43 @@ class FeedPublisher:
         self.context.term()
 
 
+class EngineCounts:
+    """Each engine's waiting and running counts, re-read from its /metrics by a thread of its own.
+
+    The coordinator hears from every engine on each of its steps; one scrape of three engines in a row
+    takes up to a second on 2 busy cores, and that long between reports the router's picks pile up
+    (each counts as a waiting request until the next report) on the idle engines until the loaded one
+    ties with them. A thread per engine keeps the idle engines' reports as fresh as they answer."""
+
+    def __init__(self, engines: list[ServerProcess]) -> None:
+        self._latest = [(0, 0, 0)] * len(engines)
+        self._running = True
+        self._threads = [threading.Thread(target=self._read, args=(i, e), daemon=True) for i, e in enumerate(engines)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, index: int, engine: ServerProcess) -> None:
+        reads = 0
+        while self._running:
+            try:
+                waiting = int(metric_total(engine.url, "vllm:num_requests_waiting"))
+                running = int(metric_total(engine.url, "vllm:num_requests_running"))
+            except httpx.HTTPError:
+                continue  # a slow answer on a busy machine: the last counts stand, as a late report would
+            reads += 1
+            self._latest[index] = (waiting, running, reads)
+            time.sleep(0.05)
+
+    def latest(self) -> list[tuple[int, int, int]]:
+        """(waiting, running, reads so far) per engine; `reads` is the report's step."""
+        return list(self._latest)
+
+    def close(self) -> None:
+        self._running = False
+        for t in self._threads:
+            t.join(timeout=30)
+
+
 def feed_entry(engine: ServerProcess, waiting: int, running: int, step: int = 1, stale: bool = False) -> dict:
     return {"id": f"engine-{engine.port}", "role": "both", "address": f"127.0.0.1:{engine.port}", "dp_rank": 0,
             "waiting": waiting, "running": running, "kv_usage": 0.0, "step": step, "wave": 0, "block_size": 16,
@@ -500,11 +537,12 @@ def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
     three = pool[:3]
     loaded = three[2]
 
+    counts = EngineCounts(three)
+
     def entries() -> list[dict]:
-        # What the coordinator would publish: each engine's real counts, read from its metrics.
-        return [feed_entry(e, int(metric_total(e.url, "vllm:num_requests_waiting")),
-                           int(metric_total(e.url, "vllm:num_requests_running")), step=int(time.time() * 10))
-                for e in three]
+        # What the coordinator would publish: each engine's latest real counts, read from its metrics.
+        return [feed_entry(e, waiting, running, step=reads)
+                for e, (waiting, running, reads) in zip(three, counts.latest())]
 
     publisher = FeedPublisher(entries)
     stop_load = threading.Event()
@@ -528,9 +566,9 @@ def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
             picks = [metric_total(r.url, "pdserve_router_endpoint_picks_total", endpoint=e.url) for e in three]
             picks[2] -= before_loaded_routed
             assert sum(picks) == 200
-            # Even would be ~67 each; measured here: 20-29 against 84-90 each. Half of the least
-            # picked idle engine still means markedly fewer, with room for the 2-core noise (one
-            # clean-clone run gave 29 vs 84: a third was too tight a line).
+            # Even would be ~67 each; measured with per-engine readers: 8-12 against 89-99 each (one
+            # scrape of all three in a row gave 29 vs 84, and on a fast CPU 42-47 vs 75-79). Half of the
+            # least picked idle engine still means markedly fewer, with room for the 2-core noise.
             assert picks[2] < min(picks[0], picks[1]) / 2, picks
             # The engines' own counters agree (the loaded one also finished some of its long requests).
             others = spread(three[:2], before[:2])
@@ -541,6 +579,7 @@ def test_a_loaded_engine_gets_markedly_fewer_requests(pool, tmp):
             if t.is_alive():
                 t.join(timeout=120)
         publisher.close()
+        counts.close()
 
 
 def test_feed_counts_steer_picks_until_the_coordinator_goes_silent(pool, tmp):
