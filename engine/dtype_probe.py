@@ -38,7 +38,8 @@ ROUNDS = 5
 # A big model's matmuls are timed on a band of their rows: its whole layer would cost seconds and
 # gigabytes at start-up, and the ratio asked for does not change with the band's height.
 MAX_WEIGHT_ELEMENTS = 4 << 20
-PROBE_VERSION = 4  # 4: bfloat16 weights in pair groups on AVX512-BF16 CPUs without AMX
+# 4: bfloat16 weights in pair groups on AVX512-BF16 CPUs without AMX; 5: their one row in pair groups too
+PROBE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,12 @@ def _weights(layer_shapes: list[tuple[int, int]], dtype: torch.dtype, copies: in
 def _one_row_paths(dtype: torch.dtype) -> list[str | None]:
     """The single-row paths linear_tuning may give a layer of this dtype (None: the fixed rule):
     each dtype's one row is timed by its fastest, as the engine would run it."""
-    from pdserve.engine.model import fused, linear_tuning
+    from pdserve.engine.model import fused, layers, linear_tuning
 
     if dtype == torch.float32:
         return [None, "packed", *(["kernel"] if fused.cpu_kernels_ready() else [])]
-    return [None, *(["kernel"] if linear_tuning.bf16_kernel_available() else [])]
+    # Pair groups keep their own single row (linear_tuning.candidates): a row-major kernel is not timed.
+    return [None, *(["kernel"] if linear_tuning.bf16_kernel_available() and layers.bf16_packing() != "pairs" else [])]
 
 
 def _fns(weights, one_row: str | None):

@@ -73,6 +73,13 @@ def test_the_cpu_identity_names_the_model_and_flags():
     assert all(flag in cpu_info.identity().split() for flag in cpu_info.flags())
 
 
+def test_the_last_level_cache_is_read_from_sysfs_sizes():
+    """What linear_tuning reads twice over before each timed pass, so the pass finds its weights in memory."""
+    assert [cpu_info._size_bytes(text) for text in ("32768K", "1M", "2G", "512")] == [32 << 20, 1 << 20, 2 << 30, 512]
+    size = cpu_info.last_level_cache_bytes()
+    assert size >= 1 << 20  # some megabytes on any server CPU, or the default where sysfs does not say
+
+
 def test_a_damaged_verdict_file_is_measured_again(cache, monkeypatch):
     monkeypatch.setattr(dtype_probe, "measure", lambda shapes: dtype_probe.Verdict(False, {"1": [1.0, 2.0]}))
     dtype_probe.bf16_beats_float32(SHAPES)

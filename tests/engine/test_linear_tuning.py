@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model import fused, linear_tuning
-from pdserve.engine.model.layers import ColumnParallelLinear, RowParallelLinear, pack_model_weights, packing_supported
+from pdserve.engine.model.layers import (ColumnParallelLinear, RowParallelLinear, pack_model_weights, packing_supported,
+                                         pair_groups_supported)
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.float32), reason="no oneDNN weight packing in this torch")
 needs_kernels = pytest.mark.skipif(os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1",
@@ -44,7 +45,7 @@ def test_one_row_takes_the_fastest_path_only_where_it_beats_f_linear_by_the_marg
     # threads, on one.
     script = iter([2.0, 1.5, 1.0, 1.2, 2.0, 1.6, 1.1, 1.3,        # 160x52: the kernel, 2x -> the kernel
                    1.0, 0.95, 0.97, 1.5, 1.0, 0.95, 0.97, 1.5])   # 40x52: packed only 5% faster -> F.linear
-    monkeypatch.setattr(linear_tuning, "_median_s", lambda fn, rounds: (fn(), next(script))[1])
+    monkeypatch.setattr(linear_tuning, "_median_s", lambda fn, rounds, before: (before(), fn(), next(script))[2])
     found = linear_tuning.tune_single_row(model)
     assert found["160x52"] == ("kernel", pytest.approx(2.0)) and found["40x52"] == ("packed", pytest.approx(1 / 0.95))
     assert [m.one_row for m in model.wide] == ["kernel", "kernel"] and model.narrow.one_row is None
@@ -65,6 +66,52 @@ def test_each_single_row_path_computes_f_linear(path):
         # A different summation order than MKL's: equal to float32 rounding, not bit for bit.
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-6)
         assert torch.equal(layer(rows), default)  # more than one row: the default rule, unchanged
+
+
+def test_each_timed_pass_starts_with_its_weights_out_of_the_cache():
+    """The eviction read runs before every timed run and is not part of its time: six layers of a
+    small model fit in a server's last-level cache, where a real step never finds them."""
+    events = []
+
+    def evict() -> None:
+        events.append("evict")
+        time.sleep(0.05)
+
+    def run() -> None:
+        events.append("run")
+
+    median = linear_tuning._median_s(run, 3, evict)
+    assert events == ["run"] + ["evict", "run"] * 3  # the warm call, then each timed run after a read
+    assert median < 0.01
+
+
+def test_the_eviction_read_is_twice_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(linear_tuning.cpu_info, "last_level_cache_bytes", lambda: 3 << 20)
+    read = linear_tuning.evictor()
+    buffer = read.__closure__[0].cell_contents
+    assert buffer.numel() * buffer.element_size() == 6 << 20
+    monkeypatch.setattr(linear_tuning.cpu_info, "last_level_cache_bytes", lambda: 1 << 30)
+    buffer = linear_tuning.evictor().__closure__[0].cell_contents
+    assert buffer.numel() * buffer.element_size() == linear_tuning.MAX_EVICT_BYTES
+
+
+@pytest.mark.skipif(not pair_groups_supported(), reason="no AVX512-BF16 here: bfloat16 weights cannot go in pair groups")
+def test_bfloat16_weights_in_pair_groups_keep_one_row_in_them_so_a_row_is_the_same_in_any_batch(monkeypatch):
+    """Where bfloat16 weights sit in pair groups (AVX512-BF16 without AMX) a lone row is not handed to a
+    row-major kernel that would sum it in another order: a request decoded alone gets the bits it
+    gets in a batch."""
+    monkeypatch.setenv("PDSERVE_BF16_PACKING", "pairs")
+    model = TwoShapes().to(torch.bfloat16)
+    assert pack_model_weights(model) == 3
+    assert linear_tuning.candidates(list(model.wide), torch.ones(1, 52, dtype=torch.bfloat16)) == []
+    assert linear_tuning.tune_single_row(model) == {}
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 52, generator=gen).bfloat16()
+    for layer in (*model.wide, model.narrow):
+        assert layer.one_row is None
+        batch = layer(rows)
+        for i in range(len(rows)):
+            assert torch.equal(layer(rows[i:i + 1]), batch[i:i + 1])
 
 
 def test_tuning_can_be_turned_off_and_leaves_the_global_rng_alone(monkeypatch):
