@@ -43,19 +43,32 @@ constexpr int kGroup = 3;       // panels of a group, multiplied together
 constexpr int kRows = 8;
 constexpr int64_t kLine = kGroup * kPanel;  // a group's outputs: its float32 sums per row
 constexpr int64_t kSteps = 128;  // pairs per pass over the row blocks: the group's 24 KiB stay in L1
-// How far ahead of the first row block the weights are fetched, in pairs (two passes: 48 KiB). On the
-// Zen 5, 16 rows of a decode step's weights ran 1.2-1.27x faster with it than with the hardware's
-// prefetch alone (1.06x at 384 pairs, 1.03x with the lines fetched to L2 only, 1.17x when every row
-// block fetched them): without it the row blocks after the first computed while no line was on its way.
+// How far ahead the weights are fetched, in pairs (two passes: 48 KiB). On the Zen 5, 16 rows of a
+// decode step's weights ran 1.2-1.27x faster with it than with the hardware's prefetch alone (1.06x at
+// 384 pairs, 1.03x with the lines fetched to L2 only, 1.17x when every row block fetched every line):
+// without it the row blocks after the first computed while no line was on its way.
 constexpr int64_t kAhead = 256;
+
+// Which of a pass's panels row block `b` of `blocks` fetches ahead (bit j: panel j): the three panels
+// spread over the blocks, so the requests go out through the whole pass instead of all during the
+// first block's third of it (16 rows: panels 0 and 1 in the first block, 2 in the second). On the
+// Zen 5, a decode step's weights from memory, against the first block fetching all three: 1.07-1.13x
+// at 32 rows, 1.03-1.09x at 24, 48, 64 and 128, 1.01-1.03x at 16, level at 1, 8 and 512.
+inline int ahead_panels(int64_t b, int64_t blocks) {
+  int mask = 0;
+  for (int j = 0; j < kGroup; ++j)
+    if (j * blocks / kGroup == b) mask |= 1 << j;
+  return mask;
+}
 
 // Sums of rows [0, MR) of x (bf16 pairs as 32-bit words, ldx words a row) times one group over pairs
 // [q0, q1), added to `sums` (MR rows of kLine floats) unless `first`. On the `last` pass they are
-// rounded to bfloat16 and stored to `out` instead, its first `cols` columns only. With `ahead`, the
-// lines kAhead pairs on are fetched as each pair is read (past the group's end: the next group's).
+// rounded to bfloat16 and stored to `out` instead, its first `cols` columns only. For each panel in
+// `ahead` (bit j: panel j), its line kAhead pairs on is fetched as each pair is read (past the group's
+// end: the next group's).
 template <int MR>
 inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0, int64_t q1, float* sums,
-                 bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, bool ahead) {
+                 bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead) {
   __m512 acc[MR][kGroup];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -68,7 +81,8 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
     if (ahead) {
 #pragma GCC unroll 4
       for (int j = 0; j < kGroup; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * kLine + j * kPanel), _MM_HINT_T0);
+        if (ahead & (1 << j))
+          _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * kLine + j * kPanel), _MM_HINT_T0);
     }
     __m512bh wv[kGroup];
 #pragma GCC unroll 4
@@ -101,7 +115,7 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
 
 template <int MR = kRows>
 inline void tile_rows(int rows, const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0, int64_t q1,
-                      float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, bool ahead) {
+                      float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead) {
   if constexpr (MR > 0) {
     if (rows == MR) return tile<MR>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead);
     tile_rows<MR - 1>(rows, x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead);
@@ -111,7 +125,7 @@ inline void tile_rows(int rows, const uint32_t* x, int64_t ldx, const uint32_t* 
 // out[m, n] = x[m] · W[n] for every row m, the groups split over threads.
 void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t groups, int64_t m_size, int64_t q_size,
                  int64_t n_size, at::BFloat16* out) {
-  const int64_t group_size = q_size * kLine;
+  const int64_t group_size = q_size * kLine, blocks = (m_size + kRows - 1) / kRows;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // The float32 sums between passes over k: every row of the group's columns.
     std::vector<float> sums(q_size > kSteps ? static_cast<size_t>(m_size * kLine) : 0);
@@ -119,10 +133,10 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
       const int64_t n0 = g * kLine, cols = std::min(kLine, n_size - n0);
       for (int64_t q0 = 0; q0 < q_size; q0 += kSteps) {
         const int64_t q1 = std::min(q_size, q0 + kSteps);
-        for (int64_t m = 0; m < m_size; m += kRows) {
+        for (int64_t m = 0, b = 0; m < m_size; m += kRows, ++b) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m_size - m));
           tile_rows(rows, x + m * ldx, ldx, w + g * group_size, q0, q1, sums.data() + m * kLine, q0 == 0,
-                    q1 == q_size, out + m * n_size + n0, n_size, cols, m == 0);
+                    q1 == q_size, out + m * n_size + n0, n_size, cols, ahead_panels(b, blocks));
         }
       }
     }
