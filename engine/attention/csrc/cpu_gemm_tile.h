@@ -111,7 +111,7 @@ constexpr int64_t kGroupSteps = 128;  // k steps per pass over the rows: 4 panel
 template <int MR, int NP, typename W>
 inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0, int64_t k1,
                         float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale,
-                        const W* ahead = nullptr) {
+                        const W* ahead = nullptr, int ahead_panels = ~0) {
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -125,7 +125,8 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
     if (ahead != nullptr && starts_line<W>(k)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + k * kPanel), _MM_HINT_T0);
+        if (ahead_panels & (1 << j))
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + k * kPanel), _MM_HINT_T0);
     }
     __m512 wv[NP];
 #pragma GCC unroll 4
@@ -158,29 +159,46 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
 template <int NP, int MR = kGroupRows, typename W>
 inline void micro_group_rows(int rows, const float* x, int64_t ldx, const W* panels, int64_t panel_size, int64_t k0,
                              int64_t k1, float* out, int64_t ldo, int64_t cols, bool first, const float* row_scale,
-                             const W* ahead) {
+                             const W* ahead, int ahead_panels) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
-    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+      return micro_group<MR, NP>(x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
+    micro_group_rows<NP, MR - 1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
   }
 }
 
-// `ahead`, where given, is fetched line by line as the tile reads `panels` (ahead + j * panel_size + k * kPanel).
+// `ahead`, where given, is fetched line by line as the tile reads `panels` (ahead + j * panel_size + k * kPanel),
+// for the panels j whose bit is set in `ahead_panels`.
 template <typename W>
 inline void micro_group_any(int panels_here, int rows, const float* x, int64_t ldx, const W* panels,
                             int64_t panel_size, int64_t k0, int64_t k1, float* out, int64_t ldo, int64_t cols,
-                            bool first, const float* row_scale = nullptr, const W* ahead = nullptr) {
+                            bool first, const float* row_scale = nullptr, const W* ahead = nullptr,
+                            int ahead_panels = ~0) {
   switch (panels_here) {
     case 4:
-      return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+      return micro_group_rows<4>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
     case 3:
-      return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+      return micro_group_rows<3>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
     case 2:
-      return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+      return micro_group_rows<2>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
     default:
-      return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead);
+      return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
+                                 ahead_panels);
   }
+}
+
+// Which of NP panels row block `b` of `blocks` fetches ahead (bit j: panel j): spread over the blocks,
+// so the requests go out through the whole pass over the rows, each line once.
+inline int ahead_share(int64_t b, int64_t blocks, int panels) {
+  int mask = 0;
+  for (int j = 0; j < panels; ++j)
+    if (j * blocks / panels == b) mask |= 1 << j;
+  return mask;
 }
 #elif PDSERVE_GEMM_ISA == 256
 constexpr int kRowsMax = 6;  // 6 x 2 accumulators + 2 panel vectors + a broadcast: 15 of 16 registers

@@ -40,12 +40,17 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // multiplied kGroupSteps steps of k at a time, by all rows kGroupRows at a time, so the rows after
   // the first find the weights in L1 (1.03-1.05x one pass over all of k per row block).
   using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows, pdserve_gemm::kGroupSteps;
-  // With more than one row block, the first fetches the weights a pass ahead while the others compute
-  // from L1. On a Zen 5 (the bench model's 49 matmuls, 2 threads, alternated with oneDNN's): 16 rows
-  // 0.99-1.0x oneDNN's speed where they were 0.92-0.94x, 32 rows 1.02x (0.99), 64 0.97x (0.95-0.96);
-  // two passes ahead did less. One row is left to the hardware: a fetch there only cost (1.07-1.13x
-  // oneDNN with it, 1.18-1.23x without). On the AVX-512 Xeon the hardware's streams had kept pace.
+  // With more than one row block, the weights are fetched a pass ahead while the blocks compute from
+  // L1. On a Zen 5 (the bench model's 49 matmuls, 2 threads, alternated with oneDNN's), with the first
+  // block fetching all four panels: 16 rows 0.99-1.0x oneDNN's speed where they were 0.92-0.94x, 32
+  // rows 1.02x (0.99), 64 0.97x (0.95-0.96); two passes ahead did less. Each block fetching its share
+  // of the panels instead (ahead_share; 16 rows: panels 0-1, 2, 3), so that the requests go out
+  // through the whole pass rather than the first block's third of it: 1.21-1.26x at 16 rows,
+  // 1.25-1.28x at 24 and 32, 1.11-1.13x at 64, 1.14x at 12, 1.02-1.04x at 8, 128 and 256, level at 512.
+  // One row is left to the hardware: a fetch there only cost (1.07-1.13x oneDNN with it, 1.18-1.23x
+  // without). On the AVX-512 Xeon the hardware's streams had kept pace.
   constexpr int64_t kAhead = kGroupSteps;
+  const int64_t blocks = (m_size + kGroupRows - 1) / kGroupRows;
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p += kGroupPanels) {
       const int here = static_cast<int>(std::min<int64_t>(kGroupPanels, p1 - p));
@@ -59,10 +64,11 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
           if (k0 + kAhead < k_size) ahead = wp + p * panel_size + kAhead * kPanel;
           else if (p + kGroupPanels < p1) ahead = wp + (p + kGroupPanels) * panel_size + (kAhead - k_size) * kPanel;
         }
-        for (int64_t m = 0; m < m_size; m += kGroupRows) {
+        for (int64_t m = 0, b = 0; m < m_size; m += kGroupRows, ++b) {
           const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m_size - m));
           pdserve_gemm::micro_group_any(here, rows, xp + m * ldx, ldx, wp + p * panel_size, panel_size, k0, k1,
-                                        op + m * n_size + n0, n_size, cols, k0 == 0, nullptr, m == 0 ? ahead : nullptr);
+                                        op + m * n_size + n0, n_size, cols, k0 == 0, nullptr, ahead,
+                                        pdserve_gemm::ahead_share(b, blocks, here));
         }
       }
     }
