@@ -173,7 +173,7 @@ def run_hf_continuous(path: str, dtype: str, wl: Workload, max_batch_tokens: int
 # -- roofline ---------------------------------------------------------------------------------
 
 def measure_read_bandwidth(gib: float = 1.0) -> float:
-    """Bytes/s of streaming a large tensor through a reduction (memory read bound)."""
+    """Bytes/s of streaming a large tensor through a reduction (memory read bound), the best of five reads."""
     x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
     x.sum()
     best = min(_timed(lambda: x.sum()) for _ in range(5))
@@ -245,8 +245,9 @@ def run_profile(model: str, dtype: str, bandwidth: float, flops_rate: float, qui
     kinds = step_profile.DEFAULT_KINDS
     if quick:
         kinds = tuple(k for k in kinds if k.name in ("prefill 512", "decode b16"))
+    # Each kind's roofline from the read rate measured next to its steps (`bandwidth` is the fallback).
     profiles = step_profile.profile_step_kinds(runner, kinds, PROFILE_KV_BLOCKS, repeats=2 if quick else 5,
-                                               profiled=1 if quick else 3)
+                                               profiled=1 if quick else 3, read_rate=measure_read_bandwidth)
     llm.shutdown()
     return step_profile.report_rows(profiles, bandwidth, flops_rate, dtype=dtype)
 
@@ -288,7 +289,11 @@ def main(argv: list[str]) -> None:
     throughput_rows, step_rows, roofline_rows, profile_rows = [], [], [], []
     for dtype in args.dtypes.split(","):
         log(f"\n--- {dtype} ---")
+        # The decode roofline's read rate, measured on either side of pdserve's run: a shared VM's
+        # bandwidth moves from minute to minute, so one measured at the start would not hold for later runs.
+        before = measure_read_bandwidth()
         ours = run_pdserve(path, dtype, wl)
+        run_bandwidth = max(before, measure_read_bandwidth())
         systems = {"pdserve": ours}
         if not args.no_hf:
             systems["transformers generate (static)"] = run_hf_static(path, dtype, wl, args.hf_batch_size)
@@ -311,10 +316,10 @@ def main(argv: list[str]) -> None:
         })
         tdtype = getattr(torch, dtype)
         rate = measure_matmul_rate(tdtype)
-        roof = decode_roofline(tdtype, ours["decode_batch"], ours["decode_context"], bandwidth, rate)
+        roof = decode_roofline(tdtype, ours["decode_batch"], ours["decode_context"], run_bandwidth, rate)
         roofline_rows.append({
             "dtype": dtype, "decode_batch": ours["decode_batch"], "decode_context": ours["decode_context"],
-            "read_GB_s": bandwidth / 1e9, "matmul_GFLOP_s": rate / 1e9, "bound": roof["bound"],
+            "read_GB_s": run_bandwidth / 1e9, "matmul_GFLOP_s": rate / 1e9, "bound": roof["bound"],
             "roofline_tok_s": roof["roofline_tok_s"], "achieved_tok_s": ours["decode_tok_s"],
             "fraction": ours["decode_tok_s"] / roof["roofline_tok_s"],
         })

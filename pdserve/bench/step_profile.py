@@ -228,6 +228,10 @@ class StepProfile:
     bytes_read: float
     flops: float
     samples: list[float] = field(default_factory=list)
+    # The machine's read rate (bytes/s) measured next to these steps, where profile_step_kind had a way to
+    # measure it: a shared VM's bandwidth moves from minute to minute (a 2-core Zen 5 guest read 39-82
+    # GB/s within an hour), so a roofline from a rate measured minutes earlier says little of a step.
+    read_rate: float | None = None
 
 
 class _Driver:
@@ -299,7 +303,10 @@ def _steps_of(driver: _Driver, kind: StepKind, vocab: int, count: int) -> Iterat
             driver.finish(so)
 
 
-def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int = 5, profiled: int = 2) -> StepProfile:
+def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int = 5, profiled: int = 2,
+                      read_rate: Callable[[], float] | None = None) -> StepProfile:
+    """Times `repeats` steps of `kind` (after an untimed one) and profiles `profiled` more. With `read_rate`,
+    the machine's read rate is measured right before and right after the timed steps, and the higher kept."""
     import os
 
     # Kineto prints two lines to stderr per profiled step in this torch ("USDT: ... profiler_start")
@@ -312,6 +319,7 @@ def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int
     driver = _Driver(runner, num_blocks)
     # One untimed step first: a new request's state set-up, first-touch allocations.
     walls, prepare, sample = [], [], []
+    rates = [read_rate()] if read_rate is not None else []
     for i, so in enumerate(_steps_of(driver, kind, vocab, repeats + 1)):
         began = time.perf_counter()
         out = runner.execute_model(so)
@@ -320,6 +328,8 @@ def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int
             if out.timing is not None:
                 prepare.append(out.timing.prepare_s)
                 sample.append(out.timing.sample_s)
+    if read_rate is not None:
+        rates.append(read_rate())
     # On a shared machine a step can lose the CPU part way through: of the profiled steps keep
     # the fastest, whose shares are the least distorted by waiting.
     best_shares, best_wall = None, float("inf")
@@ -338,12 +348,12 @@ def profile_step_kind(runner: Any, kind: StepKind, num_blocks: int, repeats: int
     elem = torch.empty((), dtype=runner.config.model.dtype).element_size()
     bytes_read, flops = step_cost(ModelDims.of(runner.config.model), elem, last_query, seq_lens)
     return StepProfile(kind, 1e3 * min(walls), best_shares, 1e3 * min(prepare), 1e3 * min(sample),
-                       bytes_read, flops, walls)
+                       bytes_read, flops, walls, max(rates) if rates else None)
 
 
 def profile_step_kinds(runner: Any, kinds: Sequence[StepKind], num_blocks: int, repeats: int = 5,
-                       profiled: int = 2) -> list[StepProfile]:
-    return [profile_step_kind(runner, k, num_blocks, repeats, profiled) for k in kinds]
+                       profiled: int = 2, read_rate: Callable[[], float] | None = None) -> list[StepProfile]:
+    return [profile_step_kind(runner, k, num_blocks, repeats, profiled, read_rate) for k in kinds]
 
 
 DEFAULT_KINDS = (StepKind("prefill 512", 1, 512, 0), StepKind("decode b1", 1, 1, 256),
@@ -351,14 +361,16 @@ DEFAULT_KINDS = (StepKind("prefill 512", 1, 512, 0), StepKind("decode b1", 1, 1,
 
 
 def report_rows(profiles: Sequence[StepProfile], bandwidth: float, flops_rate: float, **extra: Any) -> list[dict]:
-    """One table row per step kind: ms per step, % per category, roofline time and fraction."""
+    """One table row per step kind: ms per step, % per category, roofline time and fraction. The read rate
+    is the one measured next to the kind's steps where there is one, else `bandwidth`."""
     rows = []
     for p in profiles:
-        floor_s, bound = roofline_s(p.bytes_read, p.flops, bandwidth, flops_rate)
+        rate = p.read_rate if p.read_rate is not None else bandwidth
+        floor_s, bound = roofline_s(p.bytes_read, p.flops, rate, flops_rate)
         row: dict[str, Any] = {**extra, "step": p.kind.name, "tokens": p.kind.batch * p.kind.query_len,
                                "ms_per_step": p.ms_per_step}
         row.update({f"{c}_pct": 100 * p.shares[c] for c in CATEGORIES})
-        row.update({"prepare_ms": p.prepare_ms, "sample_ms": p.sample_ms, "bound": bound,
+        row.update({"prepare_ms": p.prepare_ms, "sample_ms": p.sample_ms, "read_GB_s": rate / 1e9, "bound": bound,
                     "roofline_ms": 1e3 * floor_s, "roofline_fraction": 1e3 * floor_s / p.ms_per_step})
         rows.append(row)
     return rows

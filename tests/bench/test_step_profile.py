@@ -96,3 +96,34 @@ def test_profile_of_a_tiny_model_finds_each_part(model_dir):
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=3))
     assert len(out[0].outputs[0].token_ids) == 3
     llm.shutdown()
+
+
+def test_each_kinds_roofline_takes_the_read_rate_measured_next_to_its_steps(model_dir):
+    """On a shared VM the bandwidth moves from minute to minute: a kind's roofline uses the best of the
+    rates measured just before and just after its timed steps, and says which rate it used."""
+    from pdserve.engine import LLM
+
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=64)
+    runner = llm.engine.client.engine_core.executor.worker.runner
+    rates = iter([2e10, 3e10, 5e10, 4e10])
+    calls = []
+
+    def read_rate() -> float:
+        calls.append(len(runner.requests))  # before the kind's requests start, and after they ran
+        return next(rates)
+
+    kinds = [sp.StepKind("decode b2", 2, 1, 20), sp.StepKind("decode b3", 3, 1, 20)]
+    try:
+        first, second = sp.profile_step_kinds(runner, kinds, num_blocks=64, repeats=2, profiled=1,
+                                              read_rate=read_rate)
+    finally:
+        llm.shutdown()
+    assert len(calls) == 4 and calls[0] == 0 and calls[2] == 0
+    assert (first.read_rate, second.read_rate) == (3e10, 5e10)
+    rows = sp.report_rows([first, second], bandwidth=1e9, flops_rate=1e15)
+    assert [r["read_GB_s"] for r in rows] == [30.0, 50.0]
+    for row, p, rate in zip(rows, (first, second), (3e10, 5e10)):
+        assert row["roofline_ms"] == pytest.approx(1e3 * p.bytes_read / rate)
+    # Without a measured rate the caller's bandwidth stands.
+    first.read_rate = None
+    assert sp.report_rows([first], bandwidth=1e9, flops_rate=1e15)[0]["read_GB_s"] == 1.0
