@@ -97,8 +97,8 @@ def candidates(modules: list[nn.Module], x: torch.Tensor) -> list[str]:
     if all(m.packed_weight is not None and is_pair_groups(m.packed_weight) for m in modules):
         # One row through pair groups sums each output in the order every row of a batch does, so a
         # request's tokens do not depend on what it is batched with (bf16 logits tie often: with the
-        # row-major kernel at one row, 5 of 16 SmolLM2 answers decoded alone differed from the same
-        # prompts sent 16 at once; with pair groups 16 of 16 matched). They cost no speed either: one
+        # row-major kernel at one row, only 5 of 16 SmolLM2 answers decoded alone matched the same
+        # prompts sent 16 at once; with pair groups 16 of 16 did). They cost no speed either: one
         # request decoding SmolLM2 on the Zen 5, the two alternated in one process, took 1.03-1.17x as
         # long a token with the row-major kernel (paired medians of two runs), although each shape
         # timed alone favoured that kernel. So nothing else is tried.

@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_gemm_tile.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PDSERVE_PAIR_PANELS 1
@@ -49,17 +51,10 @@ constexpr int64_t kSteps = 128;  // pairs per pass over the row blocks: the grou
 // without it the row blocks after the first computed while no line was on its way.
 constexpr int64_t kAhead = 256;
 
-// Which of a pass's panels row block `b` of `blocks` fetches ahead (bit j: panel j): the three panels
-// spread over the blocks, so the requests go out through the whole pass instead of all during the
-// first block's third of it (16 rows: panels 0 and 1 in the first block, 2 in the second). On the
-// Zen 5, a decode step's weights from memory, against the first block fetching all three: 1.07-1.13x
-// at 32 rows, 1.03-1.09x at 24, 48, 64 and 128, 1.01-1.03x at 16, level at 1, 8 and 512.
-inline int ahead_panels(int64_t b, int64_t blocks) {
-  int mask = 0;
-  for (int j = 0; j < kGroup; ++j)
-    if (j * blocks / kGroup == b) mask |= 1 << j;
-  return mask;
-}
+// Each row block fetches its share of a pass's three panels (pdserve_gemm::ahead_share; 16 rows: panels
+// 0 and 1 in the first block, 2 in the second). On the Zen 5, a decode step's weights from memory,
+// against the first block fetching all three: 1.07-1.13x at 32 rows, 1.03-1.09x at 24, 48, 64 and 128,
+// 1.01-1.03x at 16, level at 1, 8 and 512.
 
 // Sums of rows [0, MR) of x (bf16 pairs as 32-bit words, ldx words a row) times one group over pairs
 // [q0, q1), added to `sums` (MR rows of kLine floats) unless `first`. On the `last` pass they are
@@ -136,7 +131,7 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
         for (int64_t m = 0, b = 0; m < m_size; m += kRows, ++b) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m_size - m));
           tile_rows(rows, x + m * ldx, ldx, w + g * group_size, q0, q1, sums.data() + m * kLine, q0 == 0,
-                    q1 == q_size, out + m * n_size + n0, n_size, cols, ahead_panels(b, blocks));
+                    q1 == q_size, out + m * n_size + n0, n_size, cols, pdserve_gemm::ahead_share(b, blocks, kGroup));
         }
       }
     }

@@ -35,6 +35,16 @@ constexpr int64_t kPanel = 16;  // output columns per panel: one AVX-512 vector,
 // Column j of a bfloat16 panel row sits at this index of the row's 16 (see the header comment).
 constexpr int64_t bf16_slot(int64_t j) { return j < 8 ? 2 * j : 2 * (j - 8) + 1; }
 
+// Which of `panels` panels row block `b` of `blocks` fetches ahead, as bits (bit j: panel j): the panels
+// spread over the blocks, so that the requests for the next pass go out through the whole pass over
+// the rows, each line once, rather than all during the first block (here and in the bf16 pair groups).
+inline int ahead_share(int64_t b, int64_t blocks, int panels) {
+  int mask = 0;
+  for (int j = 0; j < panels; ++j)
+    if (j * blocks / panels == b) mask |= 1 << j;
+  return mask;
+}
+
 // Keeps a parameter out of template argument deduction (std::type_identity is C++20).
 template <typename T>
 struct same {
@@ -190,15 +200,6 @@ inline void micro_group_any(int panels_here, int rows, const float* x, int64_t l
       return micro_group_rows<1>(rows, x, ldx, panels, panel_size, k0, k1, out, ldo, cols, first, row_scale, ahead,
                                  ahead_panels);
   }
-}
-
-// Which of NP panels row block `b` of `blocks` fetches ahead (bit j: panel j): spread over the blocks,
-// so the requests go out through the whole pass over the rows, each line once.
-inline int ahead_share(int64_t b, int64_t blocks, int panels) {
-  int mask = 0;
-  for (int j = 0; j < panels; ++j)
-    if (j * blocks / panels == b) mask |= 1 << j;
-  return mask;
 }
 #elif PDSERVE_GEMM_ISA == 256
 constexpr int kRowsMax = 6;  // 6 x 2 accumulators + 2 panel vectors + a broadcast: 15 of 16 registers
