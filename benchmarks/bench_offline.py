@@ -236,7 +236,7 @@ def decode_roofline(dtype: torch.dtype, batch: float, context: float, bandwidth:
 PROFILE_KV_BLOCKS = 1600  # room for the largest kind (64 requests of ~270 tokens in blocks of 16)
 
 
-def run_profile(model: str, dtype: str, bandwidth: float, flops_rate: float, quick: bool) -> list[dict]:
+def run_profile(model: str, dtype: str, flops_rate: float, quick: bool) -> list[dict]:
     """Rows of step_profile's table for `model` (a path or a name pdserve resolves)."""
     from pdserve.engine import LLM
 
@@ -245,11 +245,11 @@ def run_profile(model: str, dtype: str, bandwidth: float, flops_rate: float, qui
     kinds = step_profile.DEFAULT_KINDS
     if quick:
         kinds = tuple(k for k in kinds if k.name in ("prefill 512", "decode b16"))
-    # Each kind's roofline from the read rate measured next to its steps (`bandwidth` is the fallback).
+    # Each kind's roofline from the read rate measured next to its steps.
     profiles = step_profile.profile_step_kinds(runner, kinds, PROFILE_KV_BLOCKS, repeats=2 if quick else 5,
                                                profiled=1 if quick else 3, read_rate=measure_read_bandwidth)
     llm.shutdown()
-    return step_profile.report_rows(profiles, bandwidth, flops_rate, dtype=dtype)
+    return step_profile.report_rows(profiles, flops_rate=flops_rate, dtype=dtype)
 
 
 PROFILE_META = {
@@ -285,7 +285,6 @@ def main(argv: list[str]) -> None:
     path = model_dir()
     log(f"workload: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
         f"{wl.useful_tokens} output tokens; model {path}")
-    bandwidth = measure_read_bandwidth()
     throughput_rows, step_rows, roofline_rows, profile_rows = [], [], [], []
     for dtype in args.dtypes.split(","):
         log(f"\n--- {dtype} ---")
@@ -324,7 +323,7 @@ def main(argv: list[str]) -> None:
             "fraction": ours["decode_tok_s"] / roof["roofline_tok_s"],
         })
         if not args.no_profile:
-            profile_rows += run_profile(path, dtype, bandwidth, rate, args.quick)
+            profile_rows += run_profile(path, dtype, rate, args.quick)
     meta = {"model": MODEL_SPEC, "requests": len(wl.prompts), "prompt_tokens": sum(map(len, wl.prompts)),
             "output_tokens": wl.useful_tokens, "threads": torch.get_num_threads(), "hf_batch_size": args.hf_batch_size,
             "quick": args.quick}
@@ -335,10 +334,10 @@ def main(argv: list[str]) -> None:
         write_report("offline_profile", profile_rows, title="pdserve step kinds: ms per step, % of it per category, "
                      "roofline fraction", meta={**meta, **PROFILE_META})
     if not args.no_smollm2:
-        run_smollm2(args, wl, bandwidth)
+        run_smollm2(args, wl)
 
 
-def run_smollm2(args: argparse.Namespace, wl: Workload, bandwidth: float) -> None:
+def run_smollm2(args: argparse.Namespace, wl: Workload) -> None:
     """The same workload on the real model, SmolLM2-135M-Instruct: 30 thin layers (hidden 576), so
     the per-layer cost outside the matmuls weighs more than in the 12-layer bench model.
 
@@ -378,7 +377,7 @@ def run_smollm2(args: argparse.Namespace, wl: Workload, bandwidth: float) -> Non
             "threads": torch.get_num_threads(), "gguf_convert_s": convert_s, "quick": args.quick}
     write_report("offline_smollm2", rows, title="Offline throughput on SmolLM2-135M (useful output tokens/s)", meta=meta)
     if not args.no_profile:
-        profile_rows = run_profile("smollm2", "float32", bandwidth, measure_matmul_rate(torch.float32), args.quick)
+        profile_rows = run_profile("smollm2", "float32", measure_matmul_rate(torch.float32), args.quick)
         write_report("offline_profile_smollm2", profile_rows, title="SmolLM2-135M step kinds (float32): ms per step, "
                      "% of it per category, roofline fraction", meta={**meta, **PROFILE_META})
 

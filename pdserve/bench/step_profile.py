@@ -360,12 +360,15 @@ DEFAULT_KINDS = (StepKind("prefill 512", 1, 512, 0), StepKind("decode b1", 1, 1,
                  StepKind("decode b16", 16, 1, 256), StepKind("decode b64", 64, 1, 256))
 
 
-def report_rows(profiles: Sequence[StepProfile], bandwidth: float, flops_rate: float, **extra: Any) -> list[dict]:
+def report_rows(profiles: Sequence[StepProfile], bandwidth: float | None = None, *, flops_rate: float,
+                **extra: Any) -> list[dict]:
     """One table row per step kind: ms per step, % per category, roofline time and fraction. The read rate
     is the one measured next to the kind's steps where there is one, else `bandwidth`."""
     rows = []
     for p in profiles:
         rate = p.read_rate if p.read_rate is not None else bandwidth
+        if rate is None:
+            raise ValueError(f"{p.kind.name}: no read rate was measured with its steps and none was given")
         floor_s, bound = roofline_s(p.bytes_read, p.flops, rate, flops_rate)
         row: dict[str, Any] = {**extra, "step": p.kind.name, "tokens": p.kind.batch * p.kind.query_len,
                                "ms_per_step": p.ms_per_step}

@@ -127,3 +127,5 @@ def test_each_kinds_roofline_takes_the_read_rate_measured_next_to_its_steps(mode
     # Without a measured rate the caller's bandwidth stands.
     first.read_rate = None
     assert sp.report_rows([first], bandwidth=1e9, flops_rate=1e15)[0]["read_GB_s"] == 1.0
+    with pytest.raises(ValueError, match="decode b2: no read rate"):
+        sp.report_rows([first], flops_rate=1e15)
