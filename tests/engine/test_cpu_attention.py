@@ -227,3 +227,64 @@ def test_bfloat16_scores_run_on_amx_where_the_cpu_has_it():
     # A head too wide for the tiles, a group with no vector loop, a head of no whole tiles.
     for head_dim, group in [(256, 4), (64, 9), (40, 2)]:
         assert not cpu_kernels.decode_attention_amx_scores(head_dim, group)
+
+
+def _nan_padded_case(heads: int, kv_heads: int, head_dim: int, block_size: int, lens: list[int], dtype: torch.dtype,
+                     seed: int):
+    """A cache whose slots no request uses hold NaN, requests on shuffled blocks, strided query rows."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 3
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    for r, n in enumerate(lens):
+        for p in range(n):
+            b = order.pop() if p % block_size == 0 else int(tables[r, p // block_size])
+            tables[r, p // block_size] = b
+            key_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+            value_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    query = (2 * torch.randn(len(lens) + 2, heads, head_dim, generator=g)).to(dtype)[: len(lens)]
+    return query, key_cache, value_cache, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
+    (12, 4, 64, 16), (9, 3, 64, 16), (8, 8, 32, 8), (4, 2, 16, 16), (16, 2, 64, 32),
+    # Groups of two heads of 32: in float32 two vectors a head, where GCC once contracted the score's
+    # multiply and add into an FMA in one loop and not in the other.
+    (4, 2, 32, 16),
+])
+def test_a_requests_decode_attention_does_not_depend_on_its_batch_or_the_threads(dtype, heads, kv_heads, head_dim,
+                                                                                  block_size):
+    """A request's attention is the same to the bit alone and in a batch of nine, on one, two or three
+    threads. The kernel splits a batch with requests enough for its threads by KV heads of requests
+    (each block read in order) and a smaller one by (request, KV head): both loops must give a head the
+    same arithmetic, or a request decoded alone would answer otherwise than in a batch."""
+    assert cpu_kernels.available()
+    lens = [1, 15, 16, 17, 33, 64, 130, 257, 5]
+    query, kc, vc, tables = _nan_padded_case(heads, kv_heads, head_dim, block_size, lens, dtype, seed=head_dim)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    threads = torch.get_num_threads()
+
+    def attend(rows: slice, num_threads: int) -> torch.Tensor:
+        out = torch.empty(query[rows].shape, dtype=dtype)
+        torch.set_num_threads(num_threads)
+        try:
+            cpu_kernels.decode_attention(query[rows], kc, vc, tables[rows], seq_lens[rows], scale, out)
+        finally:
+            torch.set_num_threads(threads)
+        return out
+
+    batch = attend(slice(None), 2)
+    tolerance = dict(rtol=4e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batch.double(), reference_decode(query, kc, vc, tables, lens, scale), **tolerance)
+    for num_threads in (1, 3):
+        assert torch.equal(attend(slice(None), num_threads), batch)
+    for r in range(len(lens)):
+        assert torch.equal(attend(slice(r, r + 1), 2), batch[r:r + 1]), f"request {r} alone"
+    # Two requests on one thread: the split by KV heads; on two threads, by (request, KV head).
+    assert torch.equal(attend(slice(6, 8), 1), batch[6:8])
+    assert torch.equal(attend(slice(6, 8), 2), batch[6:8])

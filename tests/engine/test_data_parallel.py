@@ -276,8 +276,14 @@ def test_lockstep_outputs_equal_dp1(lockstep, reference):
 def test_kill_9_of_one_rank_fails_in_flight_requests_within_5s_and_health_turns_503(model_dir, tmp_path):
     import psutil
 
-    with run_server(model_dir("llama_long"), *SERVER_ARGS, "--data-parallel-size", "2", tmp_path=tmp_path) as server:
-        streams = [long_stream(server, prompt=f"stream {i}") for i in range(4)]
+    # The 64k checkpoint: the streams must still be running in the engines when the rank dies. With 16000
+    # tokens of the 16k one, the engines of a fast machine had finished some streams whose last tokens the
+    # front end was still sending when the kill came (they ended normally, and the test took them for
+    # requests the death had not failed).
+    args = ("--served-model-name", "tiny", "--num-kv-blocks", "8200", "--max-model-len", "65536",
+            "--data-parallel-size", "2")
+    with run_server(model_dir("llama_64k"), *args, tmp_path=tmp_path) as server:
+        streams = [long_stream(server, prompt=f"stream {i}", max_tokens=64000) for i in range(4)]
         ranks = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(ranks) == 2, [c.cmdline() for c in ranks]
         killed_at = time.monotonic()
