@@ -218,7 +218,8 @@ inline void pair_scores16(const __m512bh (&q)[NB], const uint16_t* k, int64_t c_
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
     const uint16_t* kj = k + 4 * j * c_slot;
-    const __m512 a = fold_quarters(pair_products<NB>(q, kj, 4 * j < n), pair_products<NB>(q, kj + c_slot, 4 * j + 1 < n));
+    const __m512 a =
+        fold_quarters(pair_products<NB>(q, kj, 4 * j < n), pair_products<NB>(q, kj + c_slot, 4 * j + 1 < n));
     const __m512 b = fold_quarters(pair_products<NB>(q, kj + 2 * c_slot, 4 * j + 2 < n),
                                    pair_products<NB>(q, kj + 3 * c_slot, 4 * j + 3 < n));
     rows4[j] = fold_halves(a, b);
@@ -232,16 +233,17 @@ inline void pair_scores16(const __m512bh (&q)[NB], const uint16_t* k, int64_t c_
 #endif  // __AVX512BF16__
 
 // The G query heads of one KV head as the score loop reads them: on the pair path straight from the
-// query (bfloat16, the scale applied to each score), on the vector path widened and scaled here.
+// query (bfloat16, the scale applied to each score), on the vector path widened and scaled into
+// `scaled` (G x D floats the caller owns: a request's heads would otherwise cost an allocation each).
 template <typename scalar_t, int D, int G>
 struct GroupQueries {
-  alignas(64) float scaled[G][D];
-  void prepare(const scalar_t* q, int64_t q_head, float scale) {
+  float* scaled;
+  void prepare(const scalar_t* q, int64_t q_head, float scale) const {
     if constexpr (!pair_scores<scalar_t, D>()) {
       constexpr int V = D / Vec::L;
       for (int g = 0; g < G; ++g)
         for (int v = 0; v < V; ++v)
-          Vec::store(scaled[g] + Vec::L * v, Vec::mul(Vec::load(q + g * q_head + Vec::L * v), Vec::set1(scale)));
+          Vec::store(scaled + g * D + Vec::L * v, Vec::mul(Vec::load(q + g * q_head + Vec::L * v), Vec::set1(scale)));
     }
   }
 };
@@ -287,14 +289,14 @@ inline void score_block(const scalar_t* q, int64_t q_head, const GroupQueries<sc
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
       for (int c = 0; c < kChains; ++c)  // not a mul: see below
-        sum[g][c] = Vec::fmadd(Vec::load(qs.scaled[g] + Vec::L * c), kv[c], Vec::zero());
+        sum[g][c] = Vec::fmadd(Vec::load(qs.scaled + g * D + Vec::L * c), kv[c], Vec::zero());
 #pragma GCC unroll 64
     for (int v = kChains; v < V; v += kChains)
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int c = 0; c < kChains; ++c)
-          sum[g][c] = Vec::fmadd(Vec::load(qs.scaled[g] + Vec::L * (v + c)), kv[v + c], sum[g][c]);
+          sum[g][c] = Vec::fmadd(Vec::load(qs.scaled + g * D + Vec::L * (v + c)), kv[v + c], sum[g][c]);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g)
       scores[g * len + s] = Vec::reduce_add(kChains == 2 ? Vec::add(sum[g][0], sum[g][kChains - 1]) : sum[g][0]);
@@ -361,7 +363,8 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     }
   }
 #endif
-  GroupQueries<scalar_t, D, G> qs;
+  alignas(64) float scaled[G * D];
+  const GroupQueries<scalar_t, D, G> qs{scaled};
   if (p < len) qs.prepare(q, q_head, scale);
   // Scores, block by block: no division per position.
   for (int64_t b = 0; p < len; ++b) {
@@ -486,14 +489,15 @@ constexpr int64_t kAheadBytes = 16 * 1024;
 template <typename scalar_t, int D, int G>
 void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
                   int64_t len, int64_t h0, int64_t h1, int64_t block_size, int64_t c_block, int64_t c_slot,
-                  int64_t c_head, float scale, float* scores, float* acc, scalar_t* o, int64_t o_head,
-                  AheadLines<scalar_t>& ahead) {
+                  int64_t c_head, float scale, float* queries, float* scores, float* acc, scalar_t* o,
+                  int64_t o_head, AheadLines<scalar_t>& ahead) {
   constexpr int V = D / Vec::L;
   constexpr int VC = value_slice<V, G>();
-  // Of head h: queries q + h G q_head, scores at scores + h G len, accumulators at acc + h G D.
-  std::vector<GroupQueries<scalar_t, D, G>> qs(h1);
+  // Of head h: queries q + h G q_head (scaled: queries + h G D), scores at scores + h G len,
+  // accumulators at acc + h G D.
   if (len == 0) std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.f);
-  for (int64_t h = h0; h < h1 && len > 0; ++h) qs[h].prepare(q + h * G * q_head, q_head, scale);
+  for (int64_t h = h0; h < h1 && len > 0; ++h)
+    GroupQueries<scalar_t, D, G>{queries + h * G * D}.prepare(q + h * G * q_head, q_head, scale);
   const int64_t block_lines = block_size * ahead.lines;
   int64_t p = 0;
   for (int64_t b = 0; p < len; ++b) {
@@ -501,8 +505,8 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     const scalar_t* kb = kc + table[b] * c_block;
     for (int64_t h = h0; h < h1; ++h) {
       ahead.fetch(share_of(block_lines, h, h0, h1));
-      score_block<scalar_t, D, G>(q + h * G * q_head, q_head, qs[h], kb + h * c_head, c_slot, rows, scale,
-                                  scores + h * G * len + p, len);
+      score_block<scalar_t, D, G>(q + h * G * q_head, q_head, {queries + h * G * D}, kb + h * c_head, c_slot, rows,
+                                  scale, scores + h * G * len + p, len);
     }
     p += rows;
   }
@@ -536,13 +540,13 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
 template <typename scalar_t, int D>
 bool attend_heads_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
                      const int32_t* table, int64_t len, int64_t h0, int64_t h1, int64_t block_size, int64_t c_block,
-                     int64_t c_slot, int64_t c_head, float scale, float* scores, float* acc, scalar_t* o,
-                     int64_t o_head, AheadLines<scalar_t>& ahead) {
+                     int64_t c_slot, int64_t c_head, float scale, float* queries, float* scores, float* acc,
+                     scalar_t* o, int64_t o_head, AheadLines<scalar_t>& ahead) {
   switch (group) {
 #define PDSERVE_GROUP(G)                                                                                         \
   case G:                                                                                                        \
     attend_heads<scalar_t, D, G>(q, q_head, kc, vc, table, len, h0, h1, block_size, c_block, c_slot, c_head,     \
-                                 scale, scores, acc, o, o_head, ahead);                                          \
+                                 scale, queries, scores, acc, o, o_head, ahead);                                 \
     return true;
     PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5) PDSERVE_GROUP(6)
     PDSERVE_GROUP(7) PDSERVE_GROUP(8)
@@ -626,8 +630,14 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
   const int64_t threads = std::max(1, at::get_num_threads());
   if (head_dim % Vec::L == 0 && heads_loop_takes(num_reqs, threads, group, head_dim, sizeof(scalar_t), amx)) {
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores(num_kv_heads * group * std::max<int64_t>(max_len, 1));
-      std::vector<float> acc(num_kv_heads * group * head_dim);
+      // Every head of a request at once: its scores are heads x len floats, 16 MB for 32 heads of a
+      // 128K-token request. Kept from call to call on each (pool) thread and grown, never cleared (each
+      // score is written before it is read), rather than allocated and zeroed per layer.
+      thread_local std::vector<float> scores, acc, queries;
+      const size_t heads = static_cast<size_t>(num_kv_heads * group);
+      if (scores.size() < heads * std::max<int64_t>(max_len, 1)) scores.resize(heads * std::max<int64_t>(max_len, 1));
+      if (acc.size() < heads * head_dim) acc.resize(heads * head_dim);
+      if (queries.size() < heads * head_dim) queries.resize(heads * head_dim);
       for (int64_t t = t0; t < t1; ++t) {
         const auto [first, last] = units_of_thread(lens, num_reqs, num_kv_heads, t, threads);
         AheadLines<scalar_t> ahead{kc, vc, tables, lens, max_blocks, block_size, c_block, c_slot, c_head, head_dim,
@@ -641,8 +651,8 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
 #define PDSERVE_ATTEND(D)                                                                                         \
   case D:                                                                                                         \
     done = attend_heads_of<scalar_t, D>(group, q + r * q_req, q_head, kc, vc, tables + r * max_blocks, lens[r],   \
-                                        h0, h1, block_size, c_block, c_slot, c_head, fscale, scores.data(),       \
-                                        acc.data(), o + r * o_req, o_head, ahead);                                \
+                                        h0, h1, block_size, c_block, c_slot, c_head, fscale, queries.data(),      \
+                                        scores.data(), acc.data(), o + r * o_req, o_head, ahead);                 \
     break;
             PDSERVE_ATTEND(16) PDSERVE_ATTEND(32) PDSERVE_ATTEND(64)
 #undef PDSERVE_ATTEND
