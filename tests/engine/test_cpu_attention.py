@@ -181,6 +181,27 @@ def reference_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     return out
 
 
+def _nan_padded_case(heads: int, kv_heads: int, head_dim: int, block_size: int, lens: list[int], dtype: torch.dtype,
+                     seed: int):
+    """A cache whose slots no request uses hold NaN, requests on shuffled blocks, and query rows that are
+    a wider buffer's first rows, strided as the runner passes them."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 3
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    value_cache = key_cache.clone()
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    for r, n in enumerate(lens):
+        for p in range(n):
+            b = order.pop() if p % block_size == 0 else int(tables[r, p // block_size])
+            tables[r, p // block_size] = b
+            key_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+            value_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
+    query = (2 * torch.randn(len(lens) + 2, heads, head_dim, generator=g)).to(dtype)[: len(lens)]
+    return query, key_cache, value_cache, tables
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, lens", [
     (12, 4, 64, 16, [1, 15, 16, 17, 33, 257]),  # the bench model's groups of three
     (9, 3, 64, 16, [2, 31, 64, 130]),  # SmolLM2's
@@ -194,21 +215,8 @@ def test_bfloat16_decode_attention_against_float64(heads, kv_heads, head_dim, bl
     of the float64 result. The slots no request uses hold NaN: a tile of 16 key rows reads past a
     request's last position, and nothing from there may reach an answer."""
     assert cpu_kernels.available()
-    g = torch.Generator().manual_seed(head_dim + block_size)
-    per = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per) + 3
-    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
-    value_cache = key_cache.clone()
-    tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    for r, n in enumerate(lens):
-        for p in range(n):
-            b = order.pop() if p % block_size == 0 else int(tables[r, p // block_size])
-            tables[r, p // block_size] = b
-            key_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).bfloat16()
-            value_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).bfloat16()
-    # A wider buffer's first rows, as the runner passes them: the query rows are strided.
-    query = (2 * torch.randn(len(lens) + 2, heads, head_dim, generator=g)).bfloat16()[: len(lens)]
+    query, key_cache, value_cache, tables = _nan_padded_case(heads, kv_heads, head_dim, block_size, lens,
+                                                             torch.bfloat16, seed=head_dim + block_size)
     out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim ** -0.5
     cpu_kernels.decode_attention(query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
@@ -227,26 +235,6 @@ def test_bfloat16_scores_run_on_amx_where_the_cpu_has_it():
     # A head too wide for the tiles, a group with no vector loop, a head of no whole tiles.
     for head_dim, group in [(256, 4), (64, 9), (40, 2)]:
         assert not cpu_kernels.decode_attention_amx_scores(head_dim, group)
-
-
-def _nan_padded_case(heads: int, kv_heads: int, head_dim: int, block_size: int, lens: list[int], dtype: torch.dtype,
-                     seed: int):
-    """A cache whose slots no request uses hold NaN, requests on shuffled blocks, strided query rows."""
-    g = torch.Generator().manual_seed(seed)
-    per = [-(-n // block_size) for n in lens]
-    num_blocks = sum(per) + 3
-    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-    value_cache = key_cache.clone()
-    tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    for r, n in enumerate(lens):
-        for p in range(n):
-            b = order.pop() if p % block_size == 0 else int(tables[r, p // block_size])
-            tables[r, p // block_size] = b
-            key_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
-            value_cache[b, p % block_size] = torch.randn(kv_heads, head_dim, generator=g).to(dtype)
-    query = (2 * torch.randn(len(lens) + 2, heads, head_dim, generator=g)).to(dtype)[: len(lens)]
-    return query, key_cache, value_cache, tables
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -401,16 +401,14 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
   for (int g = 0; g < G; ++g) store_row(acc + g * D, o + g * o_head, D);
 }
 
-// attend_group for the run-time group size; false for groups past 8 (the portable loop takes them).
-template <typename scalar_t, int D>
-bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
-                     const int32_t* table, int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot,
-                     float scale, float* scores, float* acc, scalar_t* o, int64_t o_head, bool amx) {
+// fn(std::integral_constant<int, G>{}) for the run-time group size G; false for groups past 8 (the
+// portable loop takes them), for which the vector loops are not compiled.
+template <typename Fn>
+bool with_group(int64_t group, Fn&& fn) {
   switch (group) {
-#define PDSERVE_GROUP(G)                                                                                        \
-  case G:                                                                                                       \
-    attend_group<scalar_t, D, G>(q, q_head, kc, vc, table, len, block_size, c_block, c_slot, scale, scores, acc, \
-                                 o, o_head, amx);                                                               \
+#define PDSERVE_GROUP(G)                  \
+  case G:                                 \
+    fn(std::integral_constant<int, G>{}); \
     return true;
     PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5) PDSERVE_GROUP(6)
     PDSERVE_GROUP(7) PDSERVE_GROUP(8)
@@ -418,6 +416,17 @@ bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const sca
     default:
       return false;
   }
+}
+
+// attend_group for the run-time group size.
+template <typename scalar_t, int D>
+bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
+                     const int32_t* table, int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot,
+                     float scale, float* scores, float* acc, scalar_t* o, int64_t o_head, bool amx) {
+  return with_group(group, [&](auto g) {
+    attend_group<scalar_t, D, decltype(g)::value>(q, q_head, kc, vc, table, len, block_size, c_block, c_slot, scale,
+                                                  scores, acc, o, o_head, amx);
+  });
 }
 
 // The cache lines one thread will read, in the order it reads them (per request, its key blocks, then
@@ -536,24 +545,16 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
   for (int64_t i = h0 * G; i < h1 * G; ++i) store_row(acc + i * D, o + i * o_head, D);
 }
 
-// attend_heads for the run-time group size; false for groups past 8.
+// attend_heads for the run-time group size.
 template <typename scalar_t, int D>
 bool attend_heads_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
                      const int32_t* table, int64_t len, int64_t h0, int64_t h1, int64_t block_size, int64_t c_block,
                      int64_t c_slot, int64_t c_head, float scale, float* queries, float* scores, float* acc,
                      scalar_t* o, int64_t o_head, AheadLines<scalar_t>& ahead) {
-  switch (group) {
-#define PDSERVE_GROUP(G)                                                                                         \
-  case G:                                                                                                        \
-    attend_heads<scalar_t, D, G>(q, q_head, kc, vc, table, len, h0, h1, block_size, c_block, c_slot, c_head,     \
-                                 scale, queries, scores, acc, o, o_head, ahead);                                 \
-    return true;
-    PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5) PDSERVE_GROUP(6)
-    PDSERVE_GROUP(7) PDSERVE_GROUP(8)
-#undef PDSERVE_GROUP
-    default:
-      return false;
-  }
+  return with_group(group, [&](auto g) {
+    attend_heads<scalar_t, D, decltype(g)::value>(q, q_head, kc, vc, table, len, h0, h1, block_size, c_block, c_slot,
+                                                  c_head, scale, queries, scores, acc, o, o_head, ahead);
+  });
 }
 #endif  // PDSERVE_SIMD
 
