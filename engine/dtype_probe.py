@@ -78,15 +78,16 @@ def _weights(layer_shapes: list[tuple[int, int]], dtype: torch.dtype, copies: in
     return weights
 
 
-def _one_row_paths(dtype: torch.dtype) -> list[str | None]:
-    """The single-row paths linear_tuning may give a layer of this dtype (None: the fixed rule):
+def _one_row_paths(dtype: torch.dtype, weights) -> list[str | None]:
+    """The single-row paths linear_tuning may give these weights of this dtype (None: the fixed rule):
     each dtype's one row is timed by its fastest, as the engine would run it."""
-    from pdserve.engine.model import fused, layers, linear_tuning
+    from pdserve.engine.model import fused, linear_tuning
 
     if dtype == torch.float32:
         return [None, "packed", *(["kernel"] if fused.cpu_kernels_ready() else [])]
-    # Pair groups keep their own single row (linear_tuning.candidates): a row-major kernel is not timed.
-    return [None, *(["kernel"] if linear_tuning.bf16_kernel_available() and layers.bf16_packing() != "pairs" else [])]
+    if linear_tuning.keeps_own_single_row([packed for _, packed in weights]):
+        return [None]
+    return [None, *(["kernel"] if linear_tuning.bf16_kernel_available() else [])]
 
 
 def _fns(weights, one_row: str | None):
@@ -126,7 +127,7 @@ def measure(layer_shapes: list[tuple[int, int]]) -> Verdict:
         for rows in ROWS:
             seconds[str(rows)] = [
                 min(_pass_s(_fns(weights[dtype], one_row), rows, dtype)
-                    for one_row in (_one_row_paths(dtype) if rows == 1 else [None]))
+                    for one_row in (_one_row_paths(dtype, weights[dtype]) if rows == 1 else [None]))
                 for dtype in (torch.float32, torch.bfloat16)]
     faster = all(f > b * MARGIN for f, b in seconds.values())
     return Verdict(faster, seconds)

@@ -91,11 +91,17 @@ def bf16_kernel_available() -> bool:
     return fused.cpu_kernels_ready() and bool(torch.ops.pdserve_cpu.bf16_linear_available())
 
 
+def keeps_own_single_row(packed_weights: list) -> bool:
+    """Whether these weights' one row stays on their packed layout whatever is faster: pair groups,
+    whose one row sums each output as every row of a batch does (see candidates)."""
+    return all(p is not None and is_pair_groups(p) for p in packed_weights)
+
+
 def candidates(modules: list[nn.Module], x: torch.Tensor) -> list[str]:
     """The `one_row` paths of layers.linear that can compute one row through all these modules'
     weights (F.linear, the default, always can). "packed" is the weight's prepacked layout,
     panels or oneDNN's (layers.float_packing)."""
-    if all(m.packed_weight is not None and is_pair_groups(m.packed_weight) for m in modules):
+    if keeps_own_single_row([m.packed_weight for m in modules]):
         # One row through pair groups sums each output in the order every row of a batch does, so a
         # request's tokens do not depend on what it is batched with (bf16 logits tie often: with the
         # row-major kernel at one row, only 5 of 16 SmolLM2 answers decoded alone matched the same

@@ -429,6 +429,11 @@ bool attend_group_of(int64_t group, const scalar_t* q, int64_t q_head, const sca
   });
 }
 
+// Request r's KV heads [h0, h1) among the (request, KV head) units [first, last), numbered r * kv_heads + h.
+inline std::pair<int64_t, int64_t> heads_in(int64_t r, int64_t first, int64_t last, int64_t kv_heads) {
+  return {std::max(first - r * kv_heads, int64_t{0}), std::min(last - r * kv_heads, kv_heads)};
+}
+
 // The cache lines one thread will read, in the order it reads them (per request, its key blocks, then
 // its value blocks; of each slot, the bytes of the thread's KV heads), fetched into L2 a slot row at a
 // time a fixed distance ahead of the reads. Without it each block starts with a round trip to DRAM
@@ -443,8 +448,14 @@ struct AheadLines {
   const int32_t* lens;
   int64_t max_blocks, block_size, c_block, c_slot, c_head, head_dim, kv_heads;
   int64_t unit, end;  // the (request, KV head) units left to fetch, numbered r * kv_heads + h: [unit, end)
-  int64_t item = 0, row = 0, rows = 0, lines = 0;
+  int64_t item = 0, row = 0, rows = 0, lines = 0;  // of the block being fetched
   const char* at = nullptr;  // the first line of the block's rows to fetch, or null between blocks
+
+  // The lines of a slot row that hold KV heads [h0, h1): [first, last) from the row's start.
+  std::pair<int64_t, int64_t> span(int64_t h0, int64_t h1) const {
+    const int64_t elem = static_cast<int64_t>(sizeof(scalar_t));
+    return {elem * h0 * c_head / 64, (elem * ((h1 - 1) * c_head + head_dim) + 63) / 64};
+  }
 
   // At least `count` more lines, a slot row at a time.
   void fetch(int64_t count) {
@@ -459,9 +470,8 @@ struct AheadLines {
           item = 0;
           continue;
         }
-        // This request's heads among the units [unit, end): its first one here, up to its last.
-        const int64_t h0 = unit - r * kv_heads, h1 = std::min(end - r * kv_heads, kv_heads);
-        const int64_t from = elem * h0 * c_head / 64, to = (elem * ((h1 - 1) * c_head + head_dim) + 63) / 64;
+        const auto [h0, h1] = heads_in(r, unit, end, kv_heads);
+        const auto [from, to] = span(h0, h1);
         const int64_t b = item < blocks ? item : item - blocks;
         at = reinterpret_cast<const char*>((item < blocks ? kc : vc) +
                                            static_cast<int64_t>(tables[r * max_blocks + b]) * c_block) + 64 * from;
@@ -507,7 +517,8 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
   if (len == 0) std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.f);
   for (int64_t h = h0; h < h1 && len > 0; ++h)
     GroupQueries<scalar_t, D, G>{queries + h * G * D}.prepare(q + h * G * q_head, q_head, scale);
-  const int64_t block_lines = block_size * ahead.lines;
+  const auto [from, to] = ahead.span(h0, h1);
+  const int64_t block_lines = block_size * (to - from);  // the stream moves on by a block of this request's
   int64_t p = 0;
   for (int64_t b = 0; p < len; ++b) {
     const int64_t rows = std::min(block_size, len - p);
@@ -645,8 +656,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
                                    num_kv_heads, first, last};
         ahead.fetch(kAheadBytes / 64);
         for (int64_t r = first / num_kv_heads; r * num_kv_heads < last; ++r) {
-          const int64_t h0 = std::max(first - r * num_kv_heads, int64_t{0});
-          const int64_t h1 = std::min(last - r * num_kv_heads, num_kv_heads);
+          const auto [h0, h1] = heads_in(r, first, last, num_kv_heads);
           bool done = false;
           switch (head_dim) {
 #define PDSERVE_ATTEND(D)                                                                                         \
