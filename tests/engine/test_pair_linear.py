@@ -44,7 +44,7 @@ def test_groups_hold_each_weight_element_where_the_kernel_reads_it_and_zero_past
 
 @needs_pairs
 # 48 outputs fill one group, 49 and 100 end in a part-filled one; 300 and 600 inputs take more than
-# one pass over k (128 pairs a pass), 3 and 33 end on half a pair.
+# one pass over k (64 pairs a pass up to 64 rows, 128 past that), 3 and 33 end on half a pair.
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (15, 3), (17, 33), (48, 40), (49, 64), (100, 300),
                                                        (768, 600)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 70, 150])

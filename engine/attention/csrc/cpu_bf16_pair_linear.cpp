@@ -10,7 +10,7 @@
 // threads, alternated in one process), oneDNN's packed bf16 matmul ran 16 rows at 29-31 GB/s, where
 // it reads 1 row at 35-52: it waits on memory and then computes, without overlapping the two (16
 // rows are 3.2 GFLOP, about 3.3 ms of this CPU's bf16 peak; the weights take 3.2-4.7 ms to read). This
-// tile, with the weights fetched two passes ahead, ran 1.2-1.35x faster from 2 to 16 rows, 1.1x at
+// tile, with the weights fetched ahead, ran 1.2-1.35x faster from 2 to 16 rows, 1.1x at
 // 32, 1.05x at 64, level from 128 to 512 rows and 0.95x at 2048; 1.07-1.22x at one row.
 //
 // Summation order: each output's sum runs over k in order, two steps per vdpbf16ps, so a row's result
@@ -44,12 +44,15 @@ constexpr int kGroup = 3;       // panels of a group, multiplied together
 // is two row blocks.
 constexpr int kRows = 8;
 constexpr int64_t kLine = kGroup * kPanel;  // a group's outputs: its float32 sums per row
-constexpr int64_t kSteps = 128;  // pairs per pass over the row blocks: the group's 24 KiB stay in L1
-// How far ahead the weights are fetched, in pairs (two passes: 48 KiB). On the Zen 5, 16 rows of a
-// decode step's weights ran 1.2-1.27x faster with it than with the hardware's prefetch alone (1.06x at
-// 384 pairs, 1.03x with the lines fetched to L2 only, 1.17x when every row block fetched every line):
-// without it the row blocks after the first computed while no line was on its way.
-constexpr int64_t kAhead = 256;
+
+// Pairs per pass over the row blocks (the group's pass stays in L1 for every block), and how far ahead
+// the weights are fetched: one pass. Fetched at all, 16 rows of a decode step's weights ran 1.2-1.27x
+// faster than with the hardware's prefetch alone on a Zen 5 EPYC (without it the row blocks after the
+// first computed while no line was on its way). Passes of 64 pairs (12 KiB) fetched one pass ahead then
+// ran, against 128-pair passes fetched two ahead, 1.12-1.13x at 16 rows, 1.03-1.06x at 1 to 64 (1.05x
+// with 128-pair passes one ahead; 1.04x at 32-pair passes; fetching a further 1024 pairs ahead to L2
+// on top, 0.94x), but 0.97x at 256 rows, where 128-pair passes fetched one ahead are level with two.
+constexpr int64_t steps_per_pass(int64_t rows) { return rows <= 64 ? 64 : 128; }
 
 // Each row block fetches its share of a pass's three panels (pdserve_gemm::ahead_share; 16 rows: panels
 // 0 and 1 in the first block, 2 in the second). On the Zen 5, a decode step's weights from memory,
@@ -59,11 +62,11 @@ constexpr int64_t kAhead = 256;
 // Sums of rows [0, MR) of x (bf16 pairs as 32-bit words, ldx words a row) times one group over pairs
 // [q0, q1), added to `sums` (MR rows of kLine floats) unless `first`. On the `last` pass they are
 // rounded to bfloat16 and stored to `out` instead, its first `cols` columns only. For each panel in
-// `ahead` (bit j: panel j), its line kAhead pairs on is fetched as each pair is read (past the group's
+// `ahead` (bit j: panel j), its line `lead` pairs on is fetched as each pair is read (past the group's
 // end: the next group's).
 template <int MR>
 inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0, int64_t q1, float* sums,
-                 bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead) {
+                 bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead, int64_t lead) {
   __m512 acc[MR][kGroup];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -77,7 +80,7 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
 #pragma GCC unroll 4
       for (int j = 0; j < kGroup; ++j)
         if (ahead & (1 << j))
-          _mm_prefetch(reinterpret_cast<const char*>(line + kAhead * kLine + j * kPanel), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(line + lead * kLine + j * kPanel), _MM_HINT_T0);
     }
     __m512bh wv[kGroup];
 #pragma GCC unroll 4
@@ -110,10 +113,11 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
 
 template <int MR = kRows>
 inline void tile_rows(int rows, const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0, int64_t q1,
-                      float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead) {
+                      float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, int ahead,
+                      int64_t lead) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead);
-    tile_rows<MR - 1>(rows, x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead);
+    if (rows == MR) return tile<MR>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead, lead);
+    tile_rows<MR - 1>(rows, x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, ahead, lead);
   }
 }
 
@@ -121,17 +125,19 @@ inline void tile_rows(int rows, const uint32_t* x, int64_t ldx, const uint32_t* 
 void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t groups, int64_t m_size, int64_t q_size,
                  int64_t n_size, at::BFloat16* out) {
   const int64_t group_size = q_size * kLine, blocks = (m_size + kRows - 1) / kRows;
+  const int64_t steps = steps_per_pass(m_size);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // The float32 sums between passes over k: every row of the group's columns.
-    std::vector<float> sums(q_size > kSteps ? static_cast<size_t>(m_size * kLine) : 0);
+    std::vector<float> sums(q_size > steps ? static_cast<size_t>(m_size * kLine) : 0);
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * kLine, cols = std::min(kLine, n_size - n0);
-      for (int64_t q0 = 0; q0 < q_size; q0 += kSteps) {
-        const int64_t q1 = std::min(q_size, q0 + kSteps);
+      for (int64_t q0 = 0; q0 < q_size; q0 += steps) {
+        const int64_t q1 = std::min(q_size, q0 + steps);
         for (int64_t m = 0, b = 0; m < m_size; m += kRows, ++b) {
           const int rows = static_cast<int>(std::min<int64_t>(kRows, m_size - m));
           tile_rows(rows, x + m * ldx, ldx, w + g * group_size, q0, q1, sums.data() + m * kLine, q0 == 0,
-                    q1 == q_size, out + m * n_size + n0, n_size, cols, pdserve_gemm::ahead_share(b, blocks, kGroup));
+                    q1 == q_size, out + m * n_size + n0, n_size, cols, pdserve_gemm::ahead_share(b, blocks, kGroup),
+                    steps);
         }
       }
     }
