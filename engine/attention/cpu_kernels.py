@@ -27,7 +27,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attent
                                                                 "cpu_int8_linear.cpp", "cpu_int8_gemm.cpp",
                                                                 "cpu_kv_write.cpp", "cpu_decode_step.cpp",
                                                                 "cpu_prefill_attention.cpp", "cpu_panel_linear.cpp",
-                                                                "cpu_amx_linear.cpp", "cpu_bf16_pair_linear.cpp")]
+                                                                "cpu_amx_linear.cpp", "cpu_bf16_pair_linear.cpp",
+                                                                "cpu_argmax.cpp")]
 # Included by the sources: part of the build's name.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h")]
 _lock = threading.Lock()

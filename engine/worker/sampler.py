@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine.model import fused
 from pdserve.engine.structured_output.bitmask import GrammarMask
 
 _NEG_INF = float("-inf")
@@ -73,12 +74,17 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest logit (the first on ties, as torch.argmax; NaN counts as largest).
 
-    On the CPU through numpy, whose argmax is vectorized: 10x faster than torch's on rows of a
-    vocabulary (0.4 vs 3.9 ms for 64 x 32000 on one AVX2 core). Widening bf16 to float32 is exact,
-    so it picks the same index.
+    On the CPU through our kernel (csrc/cpu_argmax.cpp), which reads float32 and bfloat16 rows as
+    they are: 2.3-2.6x numpy's argmax of the widened rows on bf16 logits (16 and 64 rows of 32000, a
+    2-core Zen 5), 1.4x on float32. Else through numpy, whose argmax is vectorized: 10x faster than
+    torch's on rows of a vocabulary (0.4 vs 3.9 ms for 64 x 32000 on one AVX2 core). Widening bf16
+    to float32 is exact, so both pick the same index.
     """
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
+    if (logits.dtype in fused.KERNEL_DTYPES and logits.dim() == 2 and logits.size(1) > 0 and logits.stride(1) == 1
+            and fused.cpu_kernels_ready()):
+        return torch.ops.pdserve_cpu.greedy_argmax(logits)
     rows = logits.float().contiguous().numpy()
     return torch.from_numpy(np.argmax(rows, axis=-1).astype(np.int64, copy=False))
 

@@ -153,3 +153,30 @@ def test_n_returns_distinct_samples(llm):
                                                            ignore_eos=True))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torchs_first_maximum_with_nan_above_all(dtype):
+    """The all-greedy sampler's argmax (our kernel on the CPU, rows read as stored) picks what
+    torch.argmax picks: the first of tied maxima, -0 tied with +0, a NaN above every number (the
+    first NaN), infinities, rows of -inf, odd widths and rows that sit apart in memory."""
+    from pdserve.engine.worker.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in (1, 3, 63, 64, 65, 130, 32000):
+        x = (torch.randn(9, n, generator=gen) * 2).round()  # whole numbers: ties everywhere
+        x[1] = -float("inf")
+        x[2, n // 2] = float("nan")
+        x[2, -1] = float("nan")
+        x[3] = -float("nan")
+        x[4] = 0.0
+        x[4, ::2] = -0.0
+        x[5, -1] = float("inf")
+        x[6, 0] = -float("inf")
+        cases.append(x.to(dtype))
+    wide = torch.randn(5, 200, generator=gen).to(dtype)
+    cases.append(wide[:, 10:150])  # rows 200 apart
+    for x in cases:
+        assert torch.equal(greedy_argmax(x), x.float().argmax(dim=-1)), x.shape
+        assert greedy_argmax(x).dtype == torch.int64
