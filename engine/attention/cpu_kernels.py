@@ -30,7 +30,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attent
                                                                 "cpu_amx_linear.cpp", "cpu_bf16_pair_linear.cpp",
                                                                 "cpu_argmax.cpp")]
 # Included by the sources: part of the build's name.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h",
+                                                                "cpu_parallel.h")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

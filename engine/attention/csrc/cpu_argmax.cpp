@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu_parallel.h"
+
 namespace {
 
 // A value stored as float32 bits or as bfloat16 bits (the high half of a float32): raw integers, which
@@ -70,8 +72,7 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(n > 0 || rows == 0, "greedy_argmax: rows of no logits have no argmax");
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  // About 32K values a task (torch's grain): a lone row is not worth waking a thread for.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  const int64_t grain = pdserve_parallel::grain(n);
   // The rows as raw bits, float32 or bfloat16.
   const auto each_row = [&](const auto* p) {
     at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_parallel.h"
+
 // Eager torch rounds every multiply and add on its own; a fused multiply-add would round once
 // and make rotary differ from the reference in the last bit. Applies to the functions below.
 #pragma GCC optimize("fp-contract=off")
@@ -58,9 +60,7 @@ PDSERVE_INLINE float round_to(float x) {
   return widen(narrow<scalar_t>(x));
 }
 
-// Rows per parallel task: as many elements as torch's own grain (at::internal::GRAIN_SIZE), below
-// which waking a second thread costs more than it saves, far more on a busy machine.
-inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+using pdserve_parallel::grain;
 
 // ---- RMSNorm ----------------------------------------------------------------------------------
 
@@ -68,7 +68,7 @@ inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768
 template <typename scalar_t>
 void rms_norm_rows(scalar_t* x, int64_t x_row, scalar_t* residual, int64_t r_row, const scalar_t* weight,
                    scalar_t* out, int64_t o_row, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> sum(hidden);
     float* s = sum.data();
     for (int64_t t = begin; t < end; ++t) {
@@ -179,7 +179,7 @@ PDSERVE_INLINE float silu(float x) {
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, int64_t in_row, scalar_t* out, int64_t out_row, int64_t rows,
                    int64_t inter) {
-  at::parallel_for(0, rows, grain_rows(inter), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* gate = gate_up + t * in_row;
       const scalar_t* up = gate + inter;
@@ -225,7 +225,7 @@ void rotary_rows(const int64_t* positions, scalar_t* q, int64_t q_tok, int64_t q
                  int64_t k_tok, int64_t k_head, int64_t k_heads, const float* cos, const float* sin,
                  int64_t table_row, int64_t rotary_dim, int64_t tokens) {
   const int64_t heads = q_heads + k_heads, half = rotary_dim / 2;
-  at::parallel_for(0, tokens * heads, grain_rows(rotary_dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens * heads, grain(rotary_dim), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / heads, h = task % heads;
       const int64_t pos = positions[t];
