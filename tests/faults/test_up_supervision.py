@@ -115,9 +115,9 @@ def test_status_line_counts_every_restart(stack):
 
 def test_ctrl_c_lets_in_flight_long_prompt_requests_finish_then_stops_everything(stack, model):
     # Last in this module: it ends the shared stack.
-    # 256 new tokens each: at 32, one request once finished before the last of the four had reached
-    # the router.
-    requests, max_tokens = 4, 256
+    # 1024 new tokens each: at 32, and once at 256 (after stop 53's faster kernels), one request
+    # finished before the last of the four had reached the router.
+    requests, max_tokens = 4, 1024
     received_before = router_requests(stack)
     prompts = [" ".join(f"topic{r} item{i} value{(i * 7 + r) % 97}" for i in range(160)) for r in range(requests)]
 
