@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.worker.sampler import SamplingMetadata, sample
+from pdserve.engine.worker.sampler import SamplingMetadata, greedy_argmax, sample
 
 from support.hf_reference import hf_next_token_logits
 
@@ -160,8 +160,6 @@ def test_greedy_argmax_is_torchs_first_maximum_with_nan_above_all(dtype):
     """The all-greedy sampler's argmax (our kernel on the CPU, rows read as stored) picks what
     torch.argmax picks: the first of tied maxima, -0 tied with +0, a NaN above every number (the
     first NaN), infinities, rows of -inf, odd widths and rows that sit apart in memory."""
-    from pdserve.engine.worker.sampler import greedy_argmax
-
     gen = torch.Generator().manual_seed(0)
     cases = []
     for n in (1, 3, 63, 64, 65, 130, 32000):
