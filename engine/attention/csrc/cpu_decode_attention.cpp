@@ -155,6 +155,11 @@ void amx_scores(const at::BFloat16* q, int64_t q_head, const at::BFloat16* kc, c
 }
 #endif  // PDSERVE_AMX
 
+// Part i of `parts` near-equal parts of [0, n): [n i / parts, n (i + 1) / parts).
+inline std::pair<int64_t, int64_t> part_of(int64_t n, int64_t i, int64_t parts) {
+  return {n * i / parts, n * (i + 1) / parts};
+}
+
 // Vector registers the loops below may fill with accumulators and operands.
 constexpr int kRegisters = Vec::L == 16 ? 32 : 16;
 
@@ -379,8 +384,8 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     const int64_t next_rows = p + rows < len ? std::min(block_size, len - p - rows) : 0;
     const scalar_t* kb = kc + table[b] * c_block;
     for (int64_t i = 0; i < pieces; ++i) {
-      const int64_t s0 = rows * i / pieces, s1 = rows * (i + 1) / pieces;
-      const int64_t f0 = next_rows * i / pieces, f1 = next_rows * (i + 1) / pieces;
+      const auto [s0, s1] = part_of(rows, i, pieces);
+      const auto [f0, f1] = part_of(next_rows, i, pieces);
       if (f1 > f0) prefetch_block<scalar_t, D>(kc + table[b + 1] * c_block + f0 * c_slot, f1 - f0, c_slot);
       if (s1 > s0)
         score_block<scalar_t, D, G>(q, q_head, qs, kb + s0 * c_slot, c_slot, s1 - s0, scale, scores + p + s0, len);
@@ -405,8 +410,8 @@ void attend_group(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
       const int64_t next_rows = v0 == 0 && p + rows < len ? std::min(block_size, len - p - rows) : 0;
       const scalar_t* vb = vc + table[b] * c_block + Vec::L * v0;
       for (int64_t i = 0; i < pieces; ++i) {  // rows in order: the sums are those of one pass
-        const int64_t s0 = rows * i / pieces, s1 = rows * (i + 1) / pieces;
-        const int64_t f0 = next_rows * i / pieces, f1 = next_rows * (i + 1) / pieces;
+        const auto [s0, s1] = part_of(rows, i, pieces);
+        const auto [f0, f1] = part_of(next_rows, i, pieces);
         if (f1 > f0) prefetch_block<scalar_t, D>(vc + table[b + 1] * c_block + f0 * c_slot, f1 - f0, c_slot);
         if (s1 > s0) weigh_values<scalar_t, G, VC>(out, vb + s0 * c_slot, c_slot, s1 - s0, scores + p + s0, len);
       }
@@ -512,7 +517,8 @@ struct AheadLines {
 // Head h's share (of heads [h0, h1)) of a block's n lines to fetch: spread over the heads, so that no
 // burst of requests stalls the loop.
 inline int64_t share_of(int64_t n, int64_t h, int64_t h0, int64_t h1) {
-  return n * (h + 1 - h0) / (h1 - h0) - n * (h - h0) / (h1 - h0);
+  const auto [from, to] = part_of(n, h - h0, h1 - h0);
+  return to - from;
 }
 
 // How far ahead of its reads a thread keeps fetching, and into L1, not L2: with the cache truly in
