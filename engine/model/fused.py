@@ -121,6 +121,11 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(-1) == 1
 
 
+def cpu_kernel_takes_rows(t: torch.Tensor) -> bool:
+    """Whether an op on t, 2-D with contiguous rows, goes to our CPU kernels (as this module's ops decide)."""
+    return _path(t) == "cpu" and _rows_ok(t)
+
+
 # -- entry points -----------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

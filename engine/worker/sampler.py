@@ -82,8 +82,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    if (logits.dtype in fused.KERNEL_DTYPES and logits.dim() == 2 and logits.size(1) > 0 and logits.stride(1) == 1
-            and fused.cpu_kernels_ready()):
+    if fused.cpu_kernel_takes_rows(logits) and logits.size(1) > 0:
         return torch.ops.pdserve_cpu.greedy_argmax(logits)
     rows = logits.float().contiguous().numpy()
     return torch.from_numpy(np.argmax(rows, axis=-1).astype(np.int64, copy=False))
