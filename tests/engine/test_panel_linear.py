@@ -71,6 +71,22 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads(dtype):
                             window=16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_input_goes_through_in_slices_that_change_no_row(dtype):
+    """Past 512 rows (a prefill chunk) the rows go through in slices: every row, in the first slice, the
+    last or across a slice's edge, has the bits it has alone, and the product stays within float32's
+    summation error."""
+    weight, x = randn(200, 96, seed=13).to(dtype), randn(1100, 96, seed=14).to(dtype)
+    panels = layers.to_panels(weight)
+    assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.panel_linear(rows, panels, 200), x,
+                            (0, 255, 256, 257, 274, 275, 551, 552, 1099), window=16)
+    got = torch.ops.pdserve_cpu.panel_linear(x, panels, 200).double()
+    exact = F.linear(x.double(), weight.double())
+    bound = 8 * 96 * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T)
+    rounding = exact.abs() * 2.0 ** -7 if dtype == torch.bfloat16 else 0
+    assert torch.all((got - exact).abs() <= bound + rounding + 1e-30)
+
+
 def test_empty_shapes():
     panels = layers.to_panels(randn(20, 8))
     assert torch.ops.pdserve_cpu.panel_linear(torch.empty(0, 8), panels, 20).shape == (0, 20)
