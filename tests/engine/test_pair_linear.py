@@ -79,6 +79,19 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
 
 
 @needs_pairs
+def test_a_long_input_goes_through_in_slices_that_change_no_row():
+    """Past 512 rows (a prefill chunk) the rows go through in slices, over several passes of k: every
+    row, in the first slice, the last or across a slice's edge, has the bits it has alone, and the
+    product is rounded once."""
+    weight = (randn(100, 300, seed=8) / 7).bfloat16()
+    pairs = layers.to_pair_groups(weight)
+    x = randn(1100, 300, seed=9).bfloat16()
+    assert_rows_independent(lambda rows: torch.ops.pdserve_cpu.pair_linear(rows, pairs, 100), x,
+                            (0, 255, 256, 279, 280, 559, 560, 839, 840, 1099), window=20)
+    assert_rounded_once(pair_linear(x, weight), x, weight)
+
+
+@needs_pairs
 def test_no_rows_or_no_inputs_give_an_empty_or_zero_product():
     pairs = layers.to_pair_groups(randn(20, 8).bfloat16())
     assert torch.ops.pdserve_cpu.pair_linear(torch.empty(0, 8, dtype=torch.bfloat16), pairs, 20).shape == (0, 20)
