@@ -132,11 +132,11 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
     acc[i][NP - 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, out + i * ldo + (NP - 1) * kPanel);
   }
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead != nullptr && starts_line<W>(k)) {
+    if (ahead != nullptr && starts_line<W>(k - k0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
         if (ahead_panels & (1 << j))
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + k * kPanel), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + (k - k0) * kPanel), _MM_HINT_T0);
     }
     __m512 wv[NP];
 #pragma GCC unroll 4
@@ -179,8 +179,9 @@ inline void micro_group_rows(int rows, const float* x, int64_t ldx, const W* pan
   }
 }
 
-// `ahead`, where given, is fetched line by line as the tile reads `panels` (ahead + j * panel_size + k * kPanel),
-// for the panels j whose bit is set in `ahead_panels`.
+// `ahead`, where given, is fetched line by line as the tile reads `panels`: at step k the line at
+// ahead + j * panel_size + (k - k0) * kPanel, for the panels j whose bit is set in `ahead_panels`; so
+// `ahead` is where the next pass starts, as many steps long as this one.
 template <typename W>
 inline void micro_group_any(int panels_here, int rows, const float* x, int64_t ldx, const W* panels,
                             int64_t panel_size, int64_t k0, int64_t k1, float* out, int64_t ldo, int64_t cols,

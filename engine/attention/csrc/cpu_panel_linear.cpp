@@ -40,6 +40,12 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // multiplied kGroupSteps steps of k at a time, by all rows kGroupRows at a time, so the rows after
   // the first find the weights in L1 (1.03-1.05x one pass over all of k per row block).
   using pdserve_gemm::kGroupPanels, pdserve_gemm::kGroupRows, pdserve_gemm::kGroupSteps;
+  // k in passes of equal length, at most kGroupSteps (an even number, so bfloat16 lines start each pass),
+  // so that each pass fetches exactly what the next one reads. With passes of kGroupSteps and a
+  // shorter last one (SmolLM2's 576 inputs: 4 x 128 + 64), a group's last pass fetched only part of
+  // the next group's first pass: 64 of its steps came from memory unfetched.
+  const int64_t passes = (k_size + kGroupSteps - 1) / kGroupSteps;
+  const int64_t steps = ((k_size + passes - 1) / passes + 1) / 2 * 2;
   // With more than one row block, the weights are fetched a pass ahead while the blocks compute from
   // L1. On a Zen 5 (the bench model's 49 matmuls, 2 threads, alternated with oneDNN's), with the first
   // block fetching all four panels: 16 rows 0.99-1.0x oneDNN's speed where they were 0.92-0.94x, 32
@@ -49,7 +55,6 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // 1.25-1.28x at 24 and 32, 1.11-1.13x at 64, 1.14x at 12, 1.02-1.04x at 8, 128 and 256, level at 512.
   // One row is left to the hardware: a fetch there only cost (1.07-1.13x oneDNN with it, 1.18-1.23x
   // without). On the AVX-512 Xeon the hardware's streams had kept pace.
-  constexpr int64_t kAhead = kGroupSteps;
   // Long inputs (prefill chunks) go through in slices of kSliceRows rows or a few more, each slice through
   // all of the thread's panels, so that a slice of x stays in L2 while the panels pass (a 576-wide
   // slice is 0.6 MiB); over all the rows at once, x came from L3 once per group of panels. On a
@@ -69,13 +74,13 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
         // Past this group's end the next pass reads the thread's next group or, after its last,
         // its first again for the next slice.
         const int64_t next = p + kGroupPanels < p1 ? p + kGroupPanels : (m1 < m_size ? p0 : -1);
-        for (int64_t k0 = 0; k0 < k_size; k0 += kGroupSteps) {
-          const int64_t k1 = std::min(k_size, k0 + kGroupSteps);
-          // What the next pass reads: this group's weights kAhead steps on, or the next group's first ones.
+        for (int64_t k0 = 0; k0 < k_size; k0 += steps) {
+          const int64_t k1 = std::min(k_size, k0 + steps);
+          // Where the next pass starts: this group's step k1, or the next group's first step.
           const W* ahead = nullptr;
           if (m1 - m0 > kGroupRows) {
-            if (k0 + kAhead < k_size) ahead = wp + p * panel_size + kAhead * kPanel;
-            else if (next >= 0) ahead = wp + next * panel_size + (kAhead - k_size) * kPanel;
+            if (k1 < k_size) ahead = wp + p * panel_size + k1 * kPanel;
+            else if (next >= 0) ahead = wp + next * panel_size;
           }
           for (int64_t m = m0, b = 0; m < m1; m += kGroupRows, ++b) {
             const int rows = static_cast<int>(std::min<int64_t>(kGroupRows, m1 - m));
