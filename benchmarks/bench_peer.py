@@ -23,6 +23,10 @@ each request's usage reported exactly 256 prompt and 64 output tokens, so both s
 the same way, and whether its greedy answer to a fixed prompt matches pdserve's on the same weights
 (float32's; for Q8_0, pdserve's first Q8_0 row: rounding the weights to 8 bits changes the model,
 and rounding the activations too changes it again).
+A pdserve server is measured once it has mapped its KV cache ahead of use (the gauge
+pdserve:kv_cache_mapped_ratio at 1, what an idle engine does in its first seconds; on a fresh cache
+nearly every block's first write page-faults), as llama-server clears its whole cache before its
+/health answers.
 On a shared 2-core machine the numbers are noisy: read the two repetitions as a range.
 """
 
@@ -41,7 +45,7 @@ import httpx
 from pdserve.bench.loadgen import LoadConfig, run_load_sync
 from pdserve.bench.report import write_report
 
-from bench_serve import free_port, start, stop
+from bench_serve import free_port, start, stop, wait_kv_mapped
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
 SLOTS, SLOT_TOKENS = 16, 512  # llama-server splits its context evenly between -np slots
@@ -230,6 +234,9 @@ def main(argv: list[str]) -> None:
             log(s["missing"])
             continue
         try:
+            waited = wait_kv_mapped(port)
+            if waited:
+                log(f"KV cache mapped ahead after {waited:.1f} s idle")
             results[s["system"]] = dict(measure(port, model_dir, args.quick), sample=sample_text(port))
         finally:
             stop(proc)

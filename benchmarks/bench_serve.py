@@ -67,6 +67,24 @@ def start(cmd: list[str], port: int, log_path: Path, ready_path: str = "/health"
     raise TimeoutError(f"{cmd[0]} did not become ready")
 
 
+def wait_kv_mapped(port: int, timeout: float = 300) -> float:
+    """Wait until a pdserve server reports its KV cache mapped ahead of use (the gauge
+    pdserve:kv_cache_mapped_ratio at 1: what an idle engine does in its first seconds, see
+    engine/worker/kv_memory.py), so that a measurement is not of a fresh server's page faults;
+    returns the seconds waited. A server without /metrics (llama-server) is not waited for."""
+    start_at = time.monotonic()
+    while time.monotonic() - start_at < timeout:
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        if r.status_code != 200:
+            return 0.0
+        ratios = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+                  if line.startswith("pdserve:kv_cache_mapped_ratio{")]
+        if ratios and min(ratios) >= 1.0:
+            return time.monotonic() - start_at
+        time.sleep(0.5)
+    raise TimeoutError(f"the server on port {port} did not map its KV cache in {timeout:.0f} s")
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -85,6 +85,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    kv_cache_mapped: float = 0.0  # the fraction of the KV cache's memory mapped ahead of first use (1: all)
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0  # tokens looked up, cumulative

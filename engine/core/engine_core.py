@@ -72,6 +72,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.set_worker_info(worker_infos)
         self.scheduler = Scheduler(config, num_blocks, self.connector)
+        self.warm_kv_cache(0.0)  # one chunk, and how far there is to go (nothing on a GPU)
         # Block hashes key the prefix cache, and the KV store connectors' blocks.
         self.block_hasher = make_block_hasher(config.cache.block_size) \
             if config.cache.enable_prefix_caching or config.kv_transfer else None
@@ -139,6 +140,12 @@ class EngineCore:
 
     def record_steps(self, enable: bool = True) -> None:
         self.step_records = [] if enable else None
+
+    def warm_kv_cache(self, seconds: float) -> bool:
+        """Map the KV cache's pages ahead of their first write for up to `seconds` (an idle
+        engine's use of its time: worker/kv_memory.py); whether some are left."""
+        self.scheduler.kv_cache_mapped = self.executor.warm_kv_cache(seconds)
+        return self.scheduler.kv_cache_mapped < 1.0
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests

@@ -38,6 +38,7 @@ from pdserve.engine.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
     FinishReason,
+    SchedulerStats,
     UtilityOutput,
 )
 from pdserve.engine.request import Request
@@ -51,6 +52,11 @@ DEFAULT_DRAIN_SECONDS = float(os.environ.get("PDSERVE_DRAIN_SECONDS", "30"))
 UTILITY_METHODS = {"get_stats", "reset_prefix_cache", "ping", "release_kv_hold"}
 _WAKE, _STOP = object(), object()
 _REUSED_BUFFER_LIMIT = 1 << 20
+# An idle engine maps its KV cache ahead of use (worker/kv_memory.py) once no input has come for
+# KV_WARM_AFTER_S (a client's next request usually comes sooner: no slice then delays it), a slice
+# of KV_WARM_SLICE_S at a time.
+KV_WARM_AFTER_S = 0.05
+KV_WARM_SLICE_S = 0.005
 
 
 class EngineCoreProc:
@@ -240,12 +246,36 @@ class EngineCoreProc:
     def _drain_inputs(self, block: bool) -> bool:
         changed = False
         try:
-            item = self.input_queue.get(timeout=1.0) if block else self.input_queue.get_nowait()
+            item = self._wait_for_input() if block else self.input_queue.get_nowait()
             while True:
                 changed |= self._handle_input(*item)
                 item = self.input_queue.get_nowait()
         except queue.Empty:
             return changed
+
+    def _stats(self) -> SchedulerStats:
+        return self.core.scheduler.make_stats()
+
+    def _wait_for_input(self) -> Any:
+        """The next input, waiting up to a second. An engine idle for KV_WARM_AFTER_S meanwhile maps
+        its KV cache's pages ahead of use, KV_WARM_SLICE_S at a time, so a request that comes then
+        waits at most a slice; the stats go out when the cache is all mapped."""
+        if self.core.scheduler.kv_cache_mapped >= 1.0:
+            return self.input_queue.get(timeout=1.0)
+        deadline = time.monotonic() + 1.0
+        try:
+            return self.input_queue.get(timeout=KV_WARM_AFTER_S)
+        except queue.Empty:
+            pass
+        while time.monotonic() < deadline:
+            if not self.core.warm_kv_cache(KV_WARM_SLICE_S):
+                self.output_queue.put(EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time()))
+                break
+            try:
+                return self.input_queue.get_nowait()
+            except queue.Empty:
+                pass
+        return self.input_queue.get(timeout=max(0.0, deadline - time.monotonic()))
 
     def _handle_input(self, kind: bytes, payload: Any) -> bool:
         if kind == EngineCoreRequestType.ADD.value:

@@ -88,6 +88,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # sent to the runner with the next step
         self.num_preemptions = 0
+        self.kv_cache_mapped = 0.0  # set by the engine core, which maps the cache ahead (warm_kv_cache)
         self.step_counter = 0
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests, cumulative
         self.num_generation_tokens = 0
@@ -509,6 +510,7 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=kv.usage,
+            kv_cache_mapped=self.kv_cache_mapped,
             kv_blocks_total=kv.num_blocks,
             kv_blocks_free=kv.pool.num_free_blocks,
             prefix_cache_queries=kv.prefix_cache_queries,

@@ -30,6 +30,11 @@ class Executor(abc.ABC):
             else None
         return infos
 
+    def warm_kv_cache(self, seconds: float) -> float:
+        """Let every rank map its KV cache ahead of use for up to `seconds` (worker/kv_memory.py);
+        the fraction mapped on the rank furthest behind."""
+        return min(self.collective_rpc("warm_kv_cache", (seconds,)))
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         aggregator = self._kv_aggregator
         if aggregator is None:

@@ -287,5 +287,6 @@ def _merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = merged.get(key, 0) + value
     if per_rank:
         merged["kv_cache_usage"] = merged.get("kv_cache_usage", 0.0) / len(per_rank)
+        merged["kv_cache_mapped"] = min(stats.get("kv_cache_mapped", 0.0) for stats in per_rank)
     merged["per_rank"] = per_rank
     return merged

@@ -87,6 +87,10 @@ class EngineMetrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", labels, registry=r)
+        self.kv_mapped = Gauge("pdserve:kv_cache_mapped_ratio",
+                               "Fraction of the KV cache's memory mapped ahead of first use (an idle CPU engine maps "
+                               "it; until then first writes page-fault). 1 when all is, or nothing can be.", labels,
+                               registry=r)
         self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels, registry=r)
         self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=r)
@@ -182,6 +186,7 @@ class EngineMetrics:
             self.running.labels(*m).set(stats.num_running_reqs)
             self.waiting.labels(*m).set(stats.num_waiting_reqs)
             self.kv_usage.labels(*m).set(stats.kv_cache_usage)
+            self.kv_mapped.labels(*m).set(stats.kv_cache_mapped)
             self.waiting_for_kv.labels(*m).set(stats.num_waiting_for_remote_kvs)
             self.kv_held.labels(*m).set(stats.kv_blocks_held_for_remote)
             last = self._last.get(engine_index) or SchedulerStats()

@@ -26,7 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured_output.bitmask import GrammarMask
 from pdserve.engine.worker.prompt_logprobs import PromptLogprobsJob, compute_prompt_logprobs, plan_job
 from pdserve.engine.worker.sampler import SamplingMetadata, sample
-from pdserve.engine.worker.kv_memory import zeroed_cache
+from pdserve.engine.worker.kv_memory import CacheWarmer, zeroed_cache
 from pdserve.engine.worker import decode_graphs
 from pdserve.engine.worker.step_inputs import StepInputs
 from pdserve.engine.distributed import tp_rank, tp_size
@@ -98,6 +98,7 @@ class ModelRunner:
         self.backend = attention_backend(device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_warmer = CacheWarmer([])  # maps the cache's pages ahead of use (kv_memory.py)
         self.connector: Any = None  # the KV connector's worker side, when one is configured
         sched = config.scheduler
         self.inputs = StepInputs(max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs,
@@ -123,6 +124,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [zeroed_cache(shape, self.config.model.dtype, self.device)
                           for _ in range(self.config.model.num_hidden_layers)]
+        self.kv_warmer = CacheWarmer(self.kv_caches)
         self.connector = create_connector(self.config, KVConnectorRole.WORKER, tp_rank())
         if self.connector is None:
             return None

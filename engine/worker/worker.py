@@ -90,6 +90,11 @@ class Worker:
         self.runner.capture_decode_graphs()  # needs the cache: the captured steps read and write it
         return info
 
+    def warm_kv_cache(self, seconds: float) -> float:
+        """Map this rank's KV cache pages ahead of use for up to `seconds`; the fraction mapped."""
+        assert self.runner is not None
+        return self.runner.kv_warmer.run(seconds)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.runner is not None
         output = self.runner.execute_model(scheduler_output)

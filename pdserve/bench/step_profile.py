@@ -244,6 +244,11 @@ class _Driver:
 
     def __init__(self, runner: Any, num_blocks: int) -> None:
         self.runner = runner
+        # The whole cache mapped first, as an idle server has it (engine/worker/kv_memory.py): a
+        # step's first write to a fresh page would time the page fault.
+        warmer = getattr(runner, "kv_warmer", None)
+        if warmer is not None:
+            warmer.run(float("inf"))
         self.block_size = runner.block_size
         self.num_blocks = num_blocks
         self.next_block = 0
