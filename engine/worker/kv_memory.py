@@ -35,6 +35,10 @@ log = logging.getLogger("pdserve.engine.kv_memory")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module does not name it before 3.13
 WARM_CHUNK = 2 << 20  # bytes per madvise call: one huge page, 0.4-5 ms on the guest above
+# Mapping stops while less than this much memory would be left (of the machine's, or of the
+# container's limit): a cache sized near the limit stays lazy rather than have an idle engine
+# pushed into swap or killed.
+WARM_RESERVE = 512 << 20
 
 
 def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -55,6 +59,33 @@ def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup's "max" means no limit
+
+
+def memory_headroom() -> int | None:
+    """Bytes this process may still make resident: the machine's MemAvailable and, under a cgroup
+    v2 memory limit (a Kubernetes pod's), what is left of the limit; None where neither is known."""
+    known = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    known.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    limit, current = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and current is not None:
+        known.append(limit - current)
+    return min(known) if known else None
+
+
 def _madvise() -> "ctypes._CFuncPtr | None":
     name = ctypes.util.find_library("c")
     try:
@@ -73,7 +104,8 @@ class CacheWarmer:
     Each tensor (all of one size) is walked as `parts` equal contiguous parts (a layer's keys and values), all parts
     a chunk at a time from their starts, so the blocks the pool hands out first (the lowest ids) are
     mapped first in every layer. Where pages cannot be mapped ahead (a GPU cache, a kernel without
-    MADV_POPULATE_WRITE, PDSERVE_KV_WARM=0) there is nothing to do: `done` from the start."""
+    MADV_POPULATE_WRITE, PDSERVE_KV_WARM=0) there is nothing to do: `done` from the start. Mapping
+    stops, `done` too, once less than WARM_RESERVE of memory would be left."""
 
     def __init__(self, tensors: list[torch.Tensor], parts: int = 2) -> None:
         cpu = [t for t in tensors if t.device.type == "cpu" and t.numel() > 0]
@@ -105,6 +137,12 @@ class CacheWarmer:
         is mapped; returns fraction()."""
         deadline = time.monotonic() + seconds
         while not self.done:
+            headroom = memory_headroom()
+            if headroom is not None and headroom < WARM_RESERVE + WARM_CHUNK:
+                log.info("KV cache mapped ahead up to %.0f%%: %d MiB of memory left", 100 * self.fraction(),
+                         headroom >> 20)
+                self._offset = self._part
+                break
             length = min(WARM_CHUNK, self._part - self._offset)
             at = self._starts[self._index] + self._offset
             aligned = at - at % mmap.PAGESIZE  # madvise takes whole pages

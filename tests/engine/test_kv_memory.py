@@ -109,3 +109,29 @@ def test_nothing_is_mapped_ahead_when_turned_off_or_with_no_cpu_cache(monkeypatc
 def test_the_layers_must_be_of_one_size():
     with pytest.raises(ValueError, match="one size"):
         CacheWarmer([zeroed_cache((2, 4, 16), torch.float32, "cpu"), zeroed_cache((2, 8, 16), torch.float32, "cpu")])
+
+
+@needs_populate
+def test_mapping_stops_short_of_running_the_memory_out(monkeypatch):
+    """With less than the reserve left (the machine's, or a pod's limit), the rest stays lazy."""
+    from pdserve.engine.worker import kv_memory
+
+    cache = zeroed_cache((2, 256, 16, 4, 64), torch.float32, "cpu")
+    left = [kv_memory.WARM_RESERVE + 3 * WARM_CHUNK]
+
+    def headroom() -> int:
+        left[0] -= WARM_CHUNK  # each chunk mapped takes its share
+        return left[0]
+
+    monkeypatch.setattr(kv_memory, "memory_headroom", headroom)
+    warmer = CacheWarmer([cache])
+    assert warmer.run(10.0) == 1.0 and warmer.done
+    assert mapped_pages(cache, 0, cache.numel() * 4) == 2 * WARM_CHUNK // mmap.PAGESIZE
+
+
+def test_the_headroom_is_the_machines_available_memory_at_most():
+    from pdserve.engine.worker.kv_memory import memory_headroom
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < memory_headroom() <= total
