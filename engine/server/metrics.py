@@ -89,7 +89,7 @@ class EngineMetrics:
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", labels, registry=r)
         self.kv_mapped = Gauge("pdserve:kv_cache_mapped_ratio",
                                "Fraction of the KV cache's memory mapped ahead of first use (an idle CPU engine maps "
-                               "it; until then first writes page-fault). 1 when all is, or nothing can be.", labels,
+                               "it; until then first writes page-fault). 1 when all is, or no more will be.", labels,
                                registry=r)
         self.cache_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels, registry=r)
         self.cache_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels, registry=r)

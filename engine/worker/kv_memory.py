@@ -126,7 +126,7 @@ class CacheWarmer:
         return self._offset >= self._part
 
     def fraction(self) -> float:
-        """How much of the cache is mapped (1.0 also when nothing can be: see the class doc)."""
+        """How much of the cache is mapped (1.0 also when no more will be: see the class doc)."""
         if self.done:
             return 1.0
         chunk = min(WARM_CHUNK, self._part - self._offset)
