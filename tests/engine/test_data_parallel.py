@@ -20,7 +20,7 @@ import pytest
 from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.core.dp_wave import SYNC_INTERVAL, RankWave, WaveCoordinator
 from pdserve.engine.frontend.dp_balance import DPBalancer
-from pdserve.engine.frontend.dp_client import rank_configs, rank_cpu_share
+from pdserve.engine.frontend.dp_client import _merge_stats, rank_configs, rank_cpu_share
 from support.server import free_port, run_server
 from support.streams import stream_in_background
 
@@ -54,6 +54,16 @@ def test_balancer_prefers_the_rank_with_less_waiting_times_four_plus_running():
     assert balancer.pick() == 1
     balancer.finished(0, 4)
     assert balancer.ranks[0].in_flight == 0
+
+
+def test_merged_stats_add_counts_average_usage_and_take_the_least_mapped_cache():
+    """The engine's stats over its ranks: requests add up, KV usage is the mean, and the cache counts
+    as mapped ahead only as far as the rank furthest behind."""
+    merged = _merge_stats([{"num_running_reqs": 2, "kv_cache_usage": 0.5, "kv_cache_mapped": 1.0},
+                           {"num_running_reqs": 3, "kv_cache_usage": 0.1, "kv_cache_mapped": 0.25}])
+    assert merged["num_running_reqs"] == 5 and merged["kv_cache_usage"] == pytest.approx(0.3)
+    assert merged["kv_cache_mapped"] == 0.25 and len(merged["per_rank"]) == 2
+    assert _merge_stats([{"kv_cache_mapped": 1.0}, {}])["kv_cache_mapped"] == 0.0  # omitted: none mapped yet
 
 
 def test_ranks_share_the_cores_and_a_rank_runs_on_its_share(model_dir, monkeypatch):
