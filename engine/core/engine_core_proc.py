@@ -54,9 +54,11 @@ _WAKE, _STOP = object(), object()
 _REUSED_BUFFER_LIMIT = 1 << 20
 # An idle engine maps its KV cache ahead of use (worker/kv_memory.py) once no input has come for
 # KV_WARM_AFTER_S (a client's next request usually comes sooner: no slice then delays it), a slice
-# of KV_WARM_SLICE_S at a time.
+# of KV_WARM_SLICE_S at a time with KV_WARM_PAUSE_S between slices: at most a quarter of a core, so
+# an idle engine does not take much from the others sharing the machine (`pdserve up`, a test run).
 KV_WARM_AFTER_S = 0.05
 KV_WARM_SLICE_S = 0.005
+KV_WARM_PAUSE_S = 0.015
 
 
 class EngineCoreProc:
@@ -258,8 +260,8 @@ class EngineCoreProc:
 
     def _wait_for_input(self) -> Any:
         """The next input, waiting up to a second. An engine idle for KV_WARM_AFTER_S meanwhile maps
-        its KV cache's pages ahead of use, KV_WARM_SLICE_S at a time, so a request that comes then
-        waits at most a slice; the stats go out when the cache is all mapped."""
+        its KV cache's pages ahead of use, KV_WARM_SLICE_S at a time with pauses between, so a request
+        that comes then waits at most a slice; the stats go out when the cache is all mapped."""
         if self.core.scheduler.kv_cache_mapped >= 1.0:
             return self.input_queue.get(timeout=1.0)
         deadline = time.monotonic() + 1.0
@@ -272,7 +274,7 @@ class EngineCoreProc:
                 self.output_queue.put(EngineCoreOutputs(scheduler_stats=self._stats(), timestamp=time.time()))
                 break
             try:
-                return self.input_queue.get_nowait()
+                return self.input_queue.get(timeout=KV_WARM_PAUSE_S)
             except queue.Empty:
                 pass
         return self.input_queue.get(timeout=max(0.0, deadline - time.monotonic()))

@@ -208,6 +208,17 @@ def test_collective_rpc_replies_errors_and_futures(llama_tp2):
     assert generate(llama_tp2, random_prompts(4, [9])) == generate(llama_tp2, random_prompts(4, [9]))
 
 
+def test_every_rank_maps_its_kv_cache_ahead_and_answers_the_same(llama_tp2):
+    """The engine core's idle-time mapping (worker/kv_memory.py) reaches each rank's own shard of the
+    cache; the fraction it reports is the rank furthest behind; outputs do not change."""
+    prompts = random_prompts(3, [11])
+    before = generate(llama_tp2, prompts)
+    core = llama_tp2.engine.client.engine_core
+    assert core.warm_kv_cache(60.0) is False and core.scheduler.kv_cache_mapped == 1.0
+    assert executor_of(llama_tp2).collective_rpc("warm_kv_cache", (0.0,)) == [1.0, 1.0]
+    assert generate(llama_tp2, prompts) == before
+
+
 def test_worker_startup_failure_is_reported_with_its_traceback(model_dir, tmp_path):
     broken = truncated_checkpoint(model_dir("llama"), tmp_path / "broken")  # every rank fails to load it
     config = EngineArgs(model=str(broken), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
