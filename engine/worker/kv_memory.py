@@ -27,6 +27,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 import time
 
 import torch
@@ -117,7 +118,9 @@ class CacheWarmer:
         self._total = self._part * len(self._starts)
         self._offset = 0  # within each part: everything before it is mapped in every part
         self._index = 0  # the parts mapped from _offset on: the next chunk is part _index's
-        self._madvise = _madvise() if self._total and os.environ.get("PDSERVE_KV_WARM", "1") != "0" else None
+        # MADV_POPULATE_WRITE's number means something else, or nothing, outside Linux.
+        wanted = self._total and sys.platform.startswith("linux") and os.environ.get("PDSERVE_KV_WARM", "1") != "0"
+        self._madvise = _madvise() if wanted else None
         if self._madvise is None:
             self._offset = self._part
 
