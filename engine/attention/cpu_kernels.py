@@ -28,7 +28,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attent
                                                                 "cpu_kv_write.cpp", "cpu_decode_step.cpp",
                                                                 "cpu_prefill_attention.cpp", "cpu_panel_linear.cpp",
                                                                 "cpu_amx_linear.cpp", "cpu_bf16_pair_linear.cpp",
-                                                                "cpu_argmax.cpp")]
+                                                                "cpu_argmax.cpp", "cpu_int8_panels.cpp")]
 # Included by the sources: part of the build's name.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h",
                                                                 "cpu_parallel.h")]

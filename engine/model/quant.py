@@ -165,6 +165,22 @@ def from_amx_int8_tiles(tiles: torch.Tensor, out_features: int, in_features: int
     return from_amx_tiles(values, out_features, in_features)
 
 
+def to_int8_panels(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows [out, in] and their scales k-major in panels of 16 output rows, as
+    csrc/cpu_int8_panels.cpp reads them: values [ceil(out / 16), in, 16] (panel p, step k, row j:
+    q[16p + j][k]) and scales [panels, groups, 16] (or [panels, 16] for a scale per row), zero past
+    the last row."""
+    out_features, in_features = q.shape
+    count = -(-out_features // 16)
+    padded = torch.zeros(count * 16, in_features, dtype=torch.int8)
+    padded[:out_features] = q
+    values = padded.view(count, 16, in_features).transpose(1, 2).contiguous()
+    s = torch.zeros(count * 16, *scales.shape[1:], dtype=torch.float32)
+    s[:out_features] = scales
+    s = s.view(count, 16, -1).transpose(1, 2).contiguous() if scales.dim() == 2 else s.view(count, 16)
+    return values, s
+
+
 def register_max_rows(gemm_isa: int, int8_activations: bool) -> int:
     """The most rows of x our register kernel takes; more go to the GEMM. int8 activations keep
     SMALL_ROWS on every CPU: which rows are rounded to int8 is part of what that option means."""
@@ -211,7 +227,7 @@ class Int8Linear:
             raise ValueError(f"groups of {group} do not fit rows of {weight.shape[1]} (a multiple of 8 dividing it)")
         self.out_features, self.in_features = weight.shape
         self.group = group
-        qweight, self.scales = quantize_per_channel(weight) if group is None else quantize_groups(weight, group)
+        qweight, self._scales = quantize_per_channel(weight) if group is None else quantize_groups(weight, group)
         self.bias = None if bias is None else bias.detach().float().clone()
         self.use_kernel = kernel_available() if use_kernel is None else use_kernel
         self.use_gemm = self.use_kernel and gemm_available()
@@ -226,18 +242,47 @@ class Int8Linear:
                    and self.use_kernel and amx_available())
         if amx and (group is not None or self.int8_activations):
             raise ValueError("int8 weights in AMX tiles take one scale per row and bfloat16 rows of x")
-        # One copy of the int8 values: in AMX tiles (then `qweight` unpacks them on demand) or in rows.
+        # One copy of the int8 values: in AMX tiles or k-major panels (then `qweight` unpacks them on
+        # demand), or in rows.
         self.tiles: torch.Tensor | None = None
         self._rows: torch.Tensor | None = qweight
         if amx:
             self.tiles, self._rows = to_amx_int8_tiles(qweight), None
+        # The values k-major in panels, with their scales (keep_panels).
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def keep_panels(self) -> bool:
+        """Keep the int8 values k-major (to_int8_panels) instead of in rows, for
+        csrc/cpu_int8_panels.cpp to take every row count: the GEMM's bits without its per-call byte
+        transpose. On a Zen 5 (2 threads, SmolLM2's Q8_0 LM head, 49152 x 576): 1.14-1.5x the
+        register kernel and the GEMM at 2 to 32 rows (16 rows: 2.57 against 3.90 ms), level at 1 and
+        64, 0.9-0.95x the GEMM at 96-512. Done for the LM head, the biggest matrix, which runs on every
+        step outside the C++ decode loop, where rows past 64 come only with bigger batches. Where the
+        AVX-512 GEMM is not built, or with int8 activations or AMX tiles, nothing changes (False)."""
+        if (not self.use_gemm or torch.ops.pdserve_cpu.gemm_tile_isa() != 512 or self._rows is None
+                or self.int8_activations):
+            return False
+        self.panels, self._rows, self._scales = to_int8_panels(self._rows, self._scales), None, None
+        return True
 
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 values, [out_features, in_features]."""
         if self._rows is not None:
             return self._rows
+        if self.panels is not None:
+            values = self.panels[0]
+            return values.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].contiguous()
         return from_amx_int8_tiles(self.tiles, self.out_features, self.in_features)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """float32 scales: [out_features] (a scale per row) or [out_features, groups]."""
+        if self._scales is not None:
+            return self._scales
+        per_panel = self.panels[1]
+        rows = per_panel.transpose(1, 2).reshape(-1, per_panel.shape[1]) if per_panel.dim() == 3 else per_panel.reshape(-1)
+        return rows[:self.out_features].contiguous()
 
     def amx_takes(self, x: torch.Tensor) -> bool:
         """Whether x goes through the AMX kernel: bfloat16 rows, the weight in tiles."""
@@ -260,7 +305,10 @@ class Int8Linear:
                 y += self.bias  # in float32, rounded once
             return y.reshape(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
-        if self.kernel_takes(x2.shape[0]):
+        if self.panels is not None:
+            qpanels, spanels = self.panels
+            y = torch.ops.pdserve_cpu.int8_panel_gemm(x2, qpanels, spanels, self.group or 0, self.out_features)
+        elif self.kernel_takes(x2.shape[0]):
             ops = torch.ops.pdserve_cpu
             kernel = ops.int8_linear_a8 if self.int8_activations else ops.int8_linear
             y = kernel(x2, self.qweight, self.scales)
@@ -278,8 +326,10 @@ class Int8Linear:
     @property
     def nbytes(self) -> int:
         """Bytes of weight storage: one per element, plus the scales and bias."""
-        extra = self.scales.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
-        return (self._rows if self.tiles is None else self.tiles).numel() + extra
+        extra = 0 if self.bias is None else self.bias.numel() * 4
+        if self.panels is not None:
+            return self.panels[0].numel() + self.panels[1].numel() * 4 + extra
+        return (self._rows if self.tiles is None else self.tiles).numel() + self._scales.numel() * 4 + extra
 
 
 def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True,
@@ -323,6 +373,8 @@ def quantize_model(model: nn.Module, method: str, include_lm_head: bool = True,
         if lossless and not torch.equal(layer.dequantize(), module.weight.detach().float()):
             kept.append(name)
             continue
+        if isinstance(module, ParallelLMHead):
+            layer.keep_panels()
         module.quantized = layer
         if own_bias:
             module.bias = None  # now inside module.quantized

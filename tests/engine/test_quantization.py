@@ -114,6 +114,69 @@ def test_int8_gemm_gives_a_row_the_same_result_in_any_batch(kernels_ready):
             assert torch.equal(torch.ops.pdserve_cpu.int8_gemm(x[lo:hi], q, scales), whole[lo:hi])
 
 
+needs_avx512_gemm = pytest.mark.skipif(not quant.gemm_available() or torch.ops.pdserve_cpu.gemm_tile_isa() != 512,
+                                       reason="the k-major int8 kernel is built with the AVX-512 GEMM tile only")
+
+
+@needs_avx512_gemm
+@pytest.mark.parametrize("rows, out_features, in_features, group", [
+    (2, 16, 64, 32), (7, 70, 96, 32), (16, 1000, 576, 32),  # a part-filled last panel, several groups
+    (33, 130, 320, 32), (64, 49, 256, None), (300, 40, 64, None),  # row scales; two blocks of x rows
+])
+def test_int8_panels_give_the_gemms_bits(kernels_ready, rows, out_features, in_features, group):
+    """The k-major copy (an LM head's, for decode rows) computes what the GEMM computes, bit for bit:
+    the same dequantized weights, summed over k in the same order."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, 1:in_features + 1]  # strided rows
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    scales = torch.rand(out_features, in_features // group if group else 1, generator=gen).squeeze(1) * 0.02 + 1e-3
+    qpanels, spanels = quant.to_int8_panels(q, scales)
+    assert qpanels.shape == (-(-out_features // 16), in_features, 16) and qpanels[0, :, 1].equal(q[1])
+    got = torch.ops.pdserve_cpu.int8_panel_gemm(x, qpanels, spanels, group or 0, out_features)
+    assert torch.equal(got, torch.ops.pdserve_cpu.int8_gemm(x, q, scales))
+    for lo, hi in ((0, 1), (1, 2), (rows - 2, rows)):  # a row alone, or with others: the same bits
+        assert torch.equal(torch.ops.pdserve_cpu.int8_panel_gemm(x[lo:hi], qpanels, spanels, group or 0,
+                                                                 out_features), got[lo:hi])
+
+
+@needs_avx512_gemm
+def test_int8_panels_refuse_mismatched_arguments(kernels_ready):
+    q = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    qpanels, spanels = quant.to_int8_panels(q, torch.rand(40, 2))
+    op = torch.ops.pdserve_cpu.int8_panel_gemm
+    for args, message in [((torch.randn(3, 63), qpanels, spanels, 32, 40), "columns"),
+                          ((torch.randn(3, 64), qpanels, spanels, 32, 49), "cannot hold"),
+                          ((torch.randn(3, 64), qpanels, spanels, 24, 40), "do not split"),
+                          ((torch.randn(3, 64), qpanels, spanels[:, :1], 32, 40), "scales must be"),
+                          ((torch.randn(3, 64).double(), qpanels, spanels, 32, 40), "float32")]:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
+
+
+@needs_avx512_gemm
+@pytest.mark.parametrize("method", ["q8_0", "int8"])
+def test_an_int8_lm_head_keeps_its_values_k_major_and_gives_the_gemms_bits(kernels_ready, model_dir, method):
+    """quantize_model stores the LM head's int8 values (only its) k-major, in one copy: no more bytes
+    than in rows but the panels' padding, the same values back, and every row count, one row
+    included, with the GEMM's bits."""
+    cfg = ModelConfig.from_pretrained(model_dir("llama"), dtype="float32")
+    model = load_model(cfg, "cpu")
+    weight = model.lm_head.weight.detach().clone()
+    quant.quantize_model(model, method)
+    head = model.lm_head.quantized
+    assert head.panels is not None and head._rows is None
+    rows_copy = Int8Linear(weight, group=head.group)
+    assert torch.equal(head.qweight, rows_copy.qweight) and torch.equal(head.scales, rows_copy.scales)
+    padded = -(-head.out_features // 16) * 16
+    assert head.nbytes == rows_copy.nbytes + (padded - head.out_features) * (head.in_features + head.panels[1][0].numel() // 16 * 4)
+    assert all(m.quantized.panels is None for n, m in model.named_modules()
+               if getattr(m, "quantized", None) is not None and n != "lm_head")
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 16, 64, 65, 300):
+        x = torch.randn(rows, head.in_features, generator=gen)
+        assert torch.equal(head(x), torch.ops.pdserve_cpu.int8_gemm(x, rows_copy.qweight, rows_copy.scales))
+
+
 @pytest.mark.parametrize("group", [None, 32])
 def test_int8_layer_takes_the_gemm_past_the_register_kernels_rows(kernels_ready, group):
     if not quant.gemm_available():
