@@ -107,6 +107,45 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
   for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + i * ldo, m, acc[i]);
 }
 
+// The float32 sums of a tile of MR rows x NP panels (the wider tiles here and in cpu_int8_panels.cpp):
+// read back from out, or zero when `first`; scaled by column (row_scale[j]); stored. Only the last
+// panel's columns in `last` are read and written. A float32 store and reload is exact, so sums
+// carried across passes over k stay the same FMA chains.
+template <int MR, int NP>
+__attribute__((always_inline)) inline void load_sums(__m512 (&acc)[MR][NP], const float* out, int64_t ldo,
+                                                     __mmask16 last, bool first) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j + 1 < NP; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * ldo + j * kPanel);
+    acc[i][NP - 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, out + i * ldo + (NP - 1) * kPanel);
+  }
+}
+
+template <int MR, int NP>
+__attribute__((always_inline)) inline void scale_sums(__m512 (&acc)[MR][NP], const float* row_scale,
+                                                      __mmask16 last) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const __m512 sv = j + 1 < NP ? _mm512_loadu_ps(row_scale + j * kPanel)
+                                 : _mm512_maskz_loadu_ps(last, row_scale + j * kPanel);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_mul_ps(acc[i][j], sv);
+  }
+}
+
+template <int MR, int NP>
+__attribute__((always_inline)) inline void store_sums(const __m512 (&acc)[MR][NP], float* out, int64_t ldo,
+                                                      __mmask16 last) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j + 1 < NP; ++j) _mm512_storeu_ps(out + i * ldo + j * kPanel, acc[i][j]);
+    _mm512_mask_storeu_ps(out + i * ldo + (NP - 1) * kPanel, last, acc[i][NP - 1]);
+  }
+}
+
 // The wider tile panel_linear and int8_gemm use here: MR rows times NP neighbouring panels (NP * 16
 // columns) over reduction steps [k0, k1), added into out (or starting from zero when `first`; a
 // float32 store and reload is exact, so the sums are the same FMA chains as in one pass), then column
@@ -124,13 +163,7 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
                         const W* ahead = nullptr, int ahead_panels = ~0) {
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j + 1 < NP; ++j)
-      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * ldo + j * kPanel);
-    acc[i][NP - 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, out + i * ldo + (NP - 1) * kPanel);
-  }
+  load_sums<MR, NP>(acc, out, ldo, last, first);
   for (int64_t k = k0; k < k1; ++k) {
     if (ahead != nullptr && starts_line<W>(k - k0)) {
 #pragma GCC unroll 4
@@ -148,21 +181,8 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  if (row_scale != nullptr) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const __m512 sv = j + 1 < NP ? _mm512_loadu_ps(row_scale + j * kPanel)
-                                   : _mm512_maskz_loadu_ps(last, row_scale + j * kPanel);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_mul_ps(acc[i][j], sv);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j + 1 < NP; ++j) _mm512_storeu_ps(out + i * ldo + j * kPanel, acc[i][j]);
-    _mm512_mask_storeu_ps(out + i * ldo + (NP - 1) * kPanel, last, acc[i][NP - 1]);
-  }
+  if (row_scale != nullptr) scale_sums<MR, NP>(acc, row_scale, last);
+  store_sums<MR, NP>(acc, out, ldo, last);
 }
 
 // `micro_group<MR, NP>` for the rows and panel count chosen at run time.

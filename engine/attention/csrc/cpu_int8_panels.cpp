@@ -44,13 +44,7 @@ inline void q8_tile(const float* x, int64_t ldx, const int8_t* q, int64_t panel_
                     const float* row_scale, const int8_t* ahead) {
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j + 1 < NP; ++j)
-      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + i * ldo + j * kPanel);
-    acc[i][NP - 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(last, out + i * ldo + (NP - 1) * kPanel);
-  }
+  pdserve_gemm::load_sums<MR, NP>(acc, out, ldo, last, first);
   for (int64_t k = k0; k < k1;) {
     // One group's steps at a time (all of them with row scales): a division per step cost more than
     // the widening.
@@ -78,21 +72,8 @@ inline void q8_tile(const float* x, int64_t ldx, const int8_t* q, int64_t panel_
       }
     }
   }
-  if (row_scale != nullptr) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const __m512 sv = j + 1 < NP ? _mm512_loadu_ps(row_scale + j * panel_s)
-                                   : _mm512_maskz_loadu_ps(last, row_scale + j * panel_s);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_mul_ps(acc[i][j], sv);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j + 1 < NP; ++j) _mm512_storeu_ps(out + i * ldo + j * kPanel, acc[i][j]);
-    _mm512_mask_storeu_ps(out + i * ldo + (NP - 1) * kPanel, last, acc[i][NP - 1]);
-  }
+  if (row_scale != nullptr) pdserve_gemm::scale_sums<MR, NP>(acc, row_scale, last);  // [P, 16]: kPanel apart
+  pdserve_gemm::store_sums<MR, NP>(acc, out, ldo, last);
 }
 
 // q8_tile<MR, NP> for the rows and panel count chosen at run time.
