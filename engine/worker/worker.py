@@ -12,6 +12,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pdserve.engine.distributed import destroy_tensor_parallel, init_tensor_parallel
 from pdserve.engine.malloc_tuning import tune_malloc
+from pdserve.engine.worker.kv_memory import mem_available
 from pdserve.engine.worker.model_runner import ModelRunner
 
 log = logging.getLogger("pdserve.engine.worker")
@@ -20,14 +21,8 @@ CPU_KV_CACHE_DEFAULT_BYTES = 4 << 30
 
 
 def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    available = mem_available()
+    return 8 << 30 if available is None else available
 
 
 class Worker:
