@@ -137,13 +137,11 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
                  int64_t n_size, at::BFloat16* out) {
   const int64_t group_size = q_size * kLine;
   const int64_t steps = steps_per_pass(m_size);
-  // Long inputs (prefill chunks) go through in slices of kSliceRows rows or a few more, each through all
-  // of the thread's groups, so that a slice of x and its sums stay in L2 while the groups pass, as in
+  // Long inputs (prefill chunks) go through in slices (pdserve_gemm::slice_rows), each through all of
+  // the thread's groups, so that a slice of x and its sums stay in L2 while the groups pass, as in
   // cpu_panel_linear.cpp. On a Zen 5 (2 threads, alternated): 2048 rows 1.03-1.04x (900-945 GFLOP/s of
   // a 1090 bf16 peak) on SmolLM2's and the bench model's matmul shapes, level at 512 and 1024.
-  constexpr int64_t kSliceRows = 256;
-  const int64_t slices = std::max<int64_t>(1, m_size / kSliceRows);
-  const int64_t slice = ((m_size + slices - 1) / slices + kRows - 1) / kRows * kRows;
+  const int64_t slice = pdserve_gemm::slice_rows(m_size, kRows);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // The float32 sums between passes over k: every row of the slice for the group's columns.
     std::vector<float> sums(q_size > steps ? static_cast<size_t>(std::min(slice, m_size) * kLine) : 0);

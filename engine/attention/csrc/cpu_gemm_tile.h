@@ -45,6 +45,17 @@ inline int ahead_share(int64_t b, int64_t blocks, int panels) {
   return mask;
 }
 
+// Long inputs (prefill chunks) go through the GEMMs (float32 panels, bf16 pairs) in slices of
+// kSliceRows rows or a few more, each slice through all of a thread's weights before the next, so
+// that the slice of x stays in L2 while the weights pass (cpu_panel_linear.cpp has the measurements).
+// The rows a slice takes of m, a whole number of `tile_rows` row blocks: all of m below
+// 2 * kSliceRows, so no slice is shorter than kSliceRows.
+constexpr int64_t kSliceRows = 256;
+inline int64_t slice_rows(int64_t m, int64_t tile_rows) {
+  const int64_t slices = std::max<int64_t>(1, m / kSliceRows);
+  return ((m + slices - 1) / slices + tile_rows - 1) / tile_rows * tile_rows;
+}
+
 // Keeps a parameter out of template argument deduction (std::type_identity is C++20).
 template <typename T>
 struct same {

@@ -55,15 +55,13 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // 1.25-1.28x at 24 and 32, 1.11-1.13x at 64, 1.14x at 12, 1.02-1.04x at 8, 128 and 256, level at 512.
   // One row is left to the hardware: a fetch there only cost (1.07-1.13x oneDNN with it, 1.18-1.23x
   // without). On the AVX-512 Xeon the hardware's streams had kept pace.
-  // Long inputs (prefill chunks) go through in slices of kSliceRows rows or a few more, each slice through
+  // Long inputs (prefill chunks) go through in slices (pdserve_gemm::slice_rows), each slice through
   // all of the thread's panels, so that a slice of x stays in L2 while the panels pass (a 576-wide
   // slice is 0.6 MiB); over all the rows at once, x came from L3 once per group of panels. On a
   // Zen 5 (2 threads, alternated in one process): SmolLM2's and the bench model's four matmul
   // shapes 1.04-1.12x at 1024 and 2048 rows (446-466 GFLOP/s of a 545 peak), level at 384 and 768;
   // slices of 128 rows or fewer ran 0.97-0.98x at 192-384 rows, re-reading the weights too often.
-  constexpr int64_t kSliceRows = 256;
-  const int64_t slices = std::max<int64_t>(1, m_size / kSliceRows);  // of at least kSliceRows rows
-  const int64_t slice = ((m_size + slices - 1) / slices + kGroupRows - 1) / kGroupRows * kGroupRows;
+  const int64_t slice = pdserve_gemm::slice_rows(m_size, kGroupRows);
   at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < m_size; m0 += slice) {
       const int64_t m1 = std::min(m_size, m0 + slice);
