@@ -89,10 +89,9 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
     __m512bh wv[kGroup];
 #pragma GCC unroll 4
     for (int j = 0; j < kGroup; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(line + j * kPanel);
-    // In registers, as cpu_gemm_tile.h's pin_registers keeps the panel tile's: GCC 12 otherwise folded
-    // them into the 2-row tile's vdpbf16ps as memory operands (Zen 5, weights in L1: 231 -> 300 GFLOP/s).
-#pragma GCC unroll 4
-    for (int j = 0; j < kGroup; ++j) __asm__("" : "+v"(wv[j]));
+    // In registers (cpu_simd.h): GCC 12 otherwise folded them into the 2-row tile's vdpbf16ps as memory
+    // operands (Zen 5, weights in L1: 231 -> 300 GFLOP/s).
+    pdserve_simd::keep_in_registers(wv);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * ldx + q]));

@@ -140,15 +140,18 @@ inline Vec::T vexp(Vec::T x) {
 // vector), and a tile turns load-bound: with AVX2's 16 registers in every tile, with AVX-512 in
 // tiles of few rows (cpu_gemm_tile.h's, 2-4 rows: 0.44-0.55 of the 6-row tile's rate on a Zen 5).
 // Element by element, with indices known at compile time.
-inline void keep_in_register(Vec::T& x) { __asm__("" : "+v"(x)); }
+template <typename T>  // Vec::T, or another vector type of the same registers (__m512bh)
+inline void keep_in_register(T& x) {
+  __asm__("" : "+v"(x));
+}
 
-template <int N, std::size_t... I>
-inline void keep_in_registers_at(Vec::T (&v)[N], std::index_sequence<I...>) {
+template <typename T, int N, std::size_t... I>
+inline void keep_in_registers_at(T (&v)[N], std::index_sequence<I...>) {
   (keep_in_register(v[I]), ...);
 }
 
-template <int N>
-inline void keep_in_registers(Vec::T (&v)[N]) {
+template <typename T, int N>
+inline void keep_in_registers(T (&v)[N]) {
   keep_in_registers_at(v, std::make_index_sequence<N>());
 }
 
