@@ -103,53 +103,69 @@ inline void key_rows_times_queries(const uint16_t* k, int64_t stride) {
 // Head sizes whose queries fit the four B tiles; the rest take the vector loop.
 constexpr bool amx_scores_fit(int D, int G) { return D % kDims == 0 && D / kDims <= 4 && G <= 16; }
 
+// The G queries of one KV head as the B tiles read them: tile c, row r, column g holds the pair
+// q_g[32c + 2r], q_g[32c + 2r + 1].
+template <int D, int G>
+inline void query_tiles(const at::BFloat16* q, int64_t q_head, uint16_t* qb) {
+  constexpr int NC = D / kDims;
+  const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
+  std::fill(qb, qb + NC * kKeyRows * kDims, uint16_t{0});
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < kKeyRows; ++r)
+      for (int g = 0; g < G; ++g)
+        for (int h = 0; h < 2; ++h)
+          qb[(c * kKeyRows + r) * kDims + 2 * g + h] = qbits[g * q_head + kDims * c + 2 * r + h];
+}
+
+// scores[g * len + s] = scale * q_g · k_s for the `rows` key rows of one block (row s at k + s * c_slot),
+// with the queries' tiles loaded. Whichever loop calls it, a request's scores are the same tile products.
+template <int D, int G>
+inline void amx_block_scores(const uint16_t* kb, int64_t rows, int64_t block_size, int64_t c_slot, float scale,
+                             float* scores, int64_t len) {
+  constexpr int NC = D / kDims;
+  alignas(64) float c[kKeyRows * 16];
+  alignas(64) uint16_t spill[kKeyRows * D];  // rows of a block shorter than a tile, zero-padded
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += kKeyRows) {
+    const int64_t n = std::min<int64_t>(kKeyRows, rows - r0);
+    const uint16_t* a = kb + r0 * c_slot;
+    int64_t stride = c_slot;
+    // A tile reads 16 rows; past the positions in use it reads the block's other slots (their
+    // scores are dropped), but never past the block itself.
+    if (r0 + kKeyRows > block_size) {
+      std::fill(spill, spill + kKeyRows * D, uint16_t{0});
+      for (int64_t r = 0; r < n; ++r) std::copy(a + r * c_slot, a + r * c_slot + D, spill + r * D);
+      a = spill;
+      stride = D;
+    }
+    key_rows_times_queries<NC>(a, stride);
+    _tile_stored(0, c, 64);
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column, c + g, 4);
+      _mm512_mask_storeu_ps(scores + g * len + r0, keep, _mm512_mul_ps(sc, vscale));
+    }
+  }
+}
+
 // scores[g * len + p] = scale * q_g · k_p for every cached position p, as attend_group's loop does.
 // Tiles configured by configure_score_tiles(G) on this thread.
 template <int D, int G>
 void amx_scores(const at::BFloat16* q, int64_t q_head, const at::BFloat16* kc, const int32_t* table, int64_t len,
                 int64_t block_size, int64_t c_block, int64_t c_slot, float scale, float* scores) {
   constexpr int NC = D / kDims;
-  const uint16_t* qbits = reinterpret_cast<const uint16_t*>(q);
-  const uint16_t* kbits = reinterpret_cast<const uint16_t*>(kc);
-  // B tile c, row r, column g: the pair q_g[32c + 2r], q_g[32c + 2r + 1].
-  alignas(64) uint16_t qb[NC * kKeyRows * kDims] = {};
-  for (int c = 0; c < NC; ++c)
-    for (int r = 0; r < kKeyRows; ++r)
-      for (int g = 0; g < G; ++g)
-        for (int h = 0; h < 2; ++h)
-          qb[(c * kKeyRows + r) * kDims + 2 * g + h] = qbits[g * q_head + kDims * c + 2 * r + h];
+  alignas(64) uint16_t qb[NC * kKeyRows * kDims];
+  query_tiles<D, G>(q, q_head, qb);
   load_query_tiles<NC>(qb);
-  alignas(64) float c[kKeyRows * 16];
-  alignas(64) uint16_t spill[kKeyRows * D];  // rows of a block shorter than a tile, zero-padded
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const uint16_t* kbits = reinterpret_cast<const uint16_t*>(kc);
   int64_t p = 0;
   for (int64_t b = 0; p < len; ++b) {
     const int64_t rows = std::min(block_size, len - p);
-    const uint16_t* kb = kbits + table[b] * c_block;
     if (p + rows < len)
       prefetch_block<at::BFloat16, D>(kc + table[b + 1] * c_block, std::min(block_size, len - p - rows), c_slot);
-    for (int64_t r0 = 0; r0 < rows; r0 += kKeyRows) {
-      const int64_t n = std::min<int64_t>(kKeyRows, rows - r0);
-      const uint16_t* a = kb + r0 * c_slot;
-      int64_t stride = c_slot;
-      // A tile reads 16 rows; past the positions in use it reads the block's other slots (their
-      // scores are dropped), but never past the block itself.
-      if (r0 + kKeyRows > block_size) {
-        std::fill(spill, spill + kKeyRows * D, uint16_t{0});
-        for (int64_t r = 0; r < n; ++r) std::copy(a + r * c_slot, a + r * c_slot + D, spill + r * D);
-        a = spill;
-        stride = D;
-      }
-      key_rows_times_queries<NC>(a, stride);
-      _tile_stored(0, c, 64);
-      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      for (int g = 0; g < G; ++g) {
-        const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, column, c + g, 4);
-        _mm512_mask_storeu_ps(scores + g * len + p + r0, keep, _mm512_mul_ps(s, vscale));
-      }
-    }
+    amx_block_scores<D, G>(kbits + table[b] * c_block, rows, block_size, c_slot, scale, scores + p, len);
     p += rows;
   }
 }
@@ -459,11 +475,12 @@ inline std::pair<int64_t, int64_t> heads_in(int64_t r, int64_t first, int64_t la
 }
 
 // The cache lines one thread will read, in the order it reads them (per request, its key blocks, then
-// its value blocks; of each slot, the bytes of the thread's KV heads), fetched into L1 a slot row at a
-// time a fixed distance ahead of the reads. Without it each block starts with a round trip to DRAM
-// (blocks sit anywhere in the cache). Fetched a whole block at once, the requests outran what the
-// core keeps in flight and stalled the loop behind them: on a Zen 5 EPYC a bfloat16 decode batch ran
-// 0.84-0.90x the speed of the per-head loop this replaces, and 1.36-1.53x with the fetch spread.
+// its value blocks; of each slot, the bytes of the thread's KV heads), fetched a slot row at a time a
+// fixed distance ahead of the reads (ahead_into_l2 says into which level). Without it each block starts
+// with a round trip to DRAM (blocks sit anywhere in the cache). Fetched a whole block at once, the
+// requests outran what the core keeps in flight and stalled the loop behind them: on a Zen 5 EPYC a
+// bfloat16 decode batch ran 0.84-0.90x the speed of the per-head loop this replaces, and 1.36-1.53x with
+// the fetch spread.
 template <typename scalar_t>
 struct AheadLines {
   const scalar_t* kc;
@@ -472,6 +489,7 @@ struct AheadLines {
   const int32_t* lens;
   int64_t max_blocks, block_size, c_block, c_slot, c_head, head_dim, kv_heads;
   int64_t unit, end;  // the (request, KV head) units left to fetch, numbered r * kv_heads + h: [unit, end)
+  bool into_l2;
   int64_t item = 0, row = 0, rows = 0, lines = 0;  // of the block being fetched
   const char* at = nullptr;  // the first line of the block's rows to fetch, or null between blocks
 
@@ -504,7 +522,10 @@ struct AheadLines {
         row = 0;
       }
       const char* slot = at + elem * row * c_slot;
-      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(slot + 64 * l, _MM_HINT_T0);
+      if (into_l2)
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(slot + 64 * l, _MM_HINT_T1);
+      else
+        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(slot + 64 * l, _MM_HINT_T0);
       count -= lines;
       if (++row == rows) {
         at = nullptr;
@@ -521,15 +542,25 @@ inline int64_t share_of(int64_t n, int64_t h, int64_t h0, int64_t h1) {
   return to - from;
 }
 
-// How far ahead of its reads a thread keeps fetching, and into L1, not L2: with the cache truly in
-// memory (a 96 MB read between calls, as a decode step's weights stream between one layer's calls
-// from step to step), on a Zen 5 EPYC the lines fetched into L1 8 KiB ahead read the cache 1.24x
-// faster than into L2 16 KiB ahead at 16 requests of 300 tokens, 1.29-1.5x at 8-64 requests of 64-1000
-// (4-16 KiB level, 32 KiB less; a second stream into L2 64-128 KiB ahead on top, 0.93-0.96x; none at
-// all, 0.82x). Whole bfloat16 decode steps of the bench model, alternated in one process: 16 requests
-// 1.08x, 64 1.13x, 4 1.03x. Measured with the cache left in L3 between calls, as earlier, every
-// distance and either level had looked alike.
-constexpr int64_t kAheadBytes = 8 * 1024;
+// How far ahead of its reads a thread keeps fetching, and into which level, by CPU maker. On AMD into L1,
+// 8 KiB ahead: with the cache truly in memory (a 96 MB read between calls, as a decode step's weights
+// stream between one layer's calls from step to step), on a Zen 5 EPYC the lines fetched into L1 8 KiB
+// ahead read the cache 1.24x faster than into L2 16 KiB ahead at 16 requests of 300 tokens, 1.29-1.5x at
+// 8-64 requests of 64-1000 (4-16 KiB level, 32 KiB less; a second stream into L2 64-128 KiB ahead on top,
+// 0.93-0.96x; none at all, 0.82x). Whole bfloat16 decode steps of the bench model, alternated in one
+// process: 16 requests 1.08x, 64 1.13x, 4 1.03x. Measured with the cache left in L3 between calls, every
+// distance and either level had looked alike. On Intel the other way round: on a 2-core AMX Xeon (blocks
+// shuffled through the cache, whole bfloat16 decode steps alternated in one process) into L2 16 KiB ahead
+// ran 1.04x faster than into L1 8 KiB ahead at 16 requests with AMX scores and with pair scores alike,
+// 1.05x at 64 (4, 8 or 32 KiB about the same; into L3 level with L2).
+inline bool ahead_into_l2() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+}
+inline int64_t ahead_bytes() { return ahead_into_l2() ? 16 * 1024 : 8 * 1024; }
 
 // One request's KV heads [h0, h1), block by block: each block of the cache is read in order, every head
 // of a slot together (a head is 128 bytes of a 512-byte slot in bfloat16 with four KV heads of 64; read
@@ -541,9 +572,21 @@ template <typename scalar_t, int D, int G>
 void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc, const int32_t* table,
                   int64_t len, int64_t h0, int64_t h1, int64_t block_size, int64_t c_block, int64_t c_slot,
                   int64_t c_head, float scale, float* queries, float* scores, float* acc, scalar_t* o,
-                  int64_t o_head, AheadLines<scalar_t>& ahead) {
+                  int64_t o_head, AheadLines<scalar_t>& ahead, bool amx) {
   constexpr int V = D / Vec::L;
   constexpr int VC = value_slice<V, G>();
+#if PDSERVE_AMX
+  constexpr bool amx_fits = std::is_same_v<scalar_t, at::BFloat16> && amx_scores_fit(D, G);
+  constexpr int64_t qtile = amx_fits ? D / kDims * kKeyRows * kDims : 1;  // one head's B tiles, in uint16
+  thread_local std::vector<uint16_t> qtiles;
+  if (amx_fits && amx) {
+    if (qtiles.size() < static_cast<size_t>(h1 * qtile)) qtiles.resize(h1 * qtile);
+    for (int64_t h = h0; h < h1 && len > 0; ++h)
+      if constexpr (amx_fits) query_tiles<D, G>(q + h * G * q_head, q_head, qtiles.data() + h * qtile);
+  }
+#else
+  (void)amx;
+#endif
   // Of head h: queries q + h G q_head (scaled: queries + h G D), scores at scores + h G len,
   // accumulators at acc + h G D.
   if (len == 0) std::fill(acc + h0 * G * D, acc + h1 * G * D, 0.f);
@@ -557,6 +600,16 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
     const scalar_t* kb = kc + table[b] * c_block;
     for (int64_t h = h0; h < h1; ++h) {
       ahead.fetch(share_of(block_lines, h, h0, h1));
+#if PDSERVE_AMX
+      if constexpr (amx_fits) {
+        if (amx) {
+          load_query_tiles<D / kDims>(qtiles.data() + h * qtile);
+          amx_block_scores<D, G>(reinterpret_cast<const uint16_t*>(kb + h * c_head), rows, block_size, c_slot, scale,
+                                 scores + h * G * len + p, len);
+          continue;
+        }
+      }
+#endif
       score_block<scalar_t, D, G>(q + h * G * q_head, q_head, {queries + h * G * D}, kb + h * c_head, c_slot, rows,
                                   scale, scores + h * G * len + p, len);
     }
@@ -593,10 +646,10 @@ template <typename scalar_t, int D>
 bool attend_heads_of(int64_t group, const scalar_t* q, int64_t q_head, const scalar_t* kc, const scalar_t* vc,
                      const int32_t* table, int64_t len, int64_t h0, int64_t h1, int64_t block_size, int64_t c_block,
                      int64_t c_slot, int64_t c_head, float scale, float* queries, float* scores, float* acc,
-                     scalar_t* o, int64_t o_head, AheadLines<scalar_t>& ahead) {
+                     scalar_t* o, int64_t o_head, AheadLines<scalar_t>& ahead, bool amx) {
   return with_group(group, [&](auto g) {
     attend_heads<scalar_t, D, decltype(g)::value>(q, q_head, kc, vc, table, len, h0, h1, block_size, c_block, c_slot,
-                                                  c_head, scale, queries, scores, acc, o, o_head, ahead);
+                                                  c_head, scale, queries, scores, acc, o, o_head, ahead, amx);
   });
 }
 #endif  // PDSERVE_SIMD
@@ -636,13 +689,17 @@ std::pair<int64_t, int64_t> units_of_thread(const int32_t* lens, int64_t num_req
 // Whether a batch runs through attend_heads (the threads split it by KV heads of requests, each block
 // read in order) rather than attend_group (a task per (request, KV head)): where a head is at most two
 // cache lines of a slot (bfloat16 heads of 64: read a head at a time, 33-36 GB/s on a Zen 5 EPYC
-// where whole slots read at 45; float32 heads of 64 ran 0.94-1.16x split so, not taken), with requests enough
-// for every thread, and not where AMX computes the scores (attend_group holds that loop). Both loops
-// give a head the same arithmetic, so a request's output does not depend on which one ran.
-bool heads_loop_takes(int64_t num_reqs, int64_t threads, int64_t group, int64_t head_dim, int64_t elem_bytes,
-                      bool amx) {
+// where whole slots read at 45; float32 heads of 64 ran 0.94-1.16x split so there, 1.02-1.03x on a
+// 2-core AMX Xeon, not taken), with requests enough for every thread. With AMX scores too: on that
+// Xeon, read a head at a time (2 of a slot's 8 lines) the blocks of a request shuffled through the
+// cache read at 16-17 GB/s and whole slots at 19-21 (read alone, no arithmetic; a plain sum 25-31);
+// whole bfloat16 decode steps of the bench model, the two loops alternated in one process: 1.09-1.13x
+// at 16 requests of 256 tokens, 1.15-1.19x at 64, 1.22x at 16 of 1024, level at 4. Both loops give a
+// head the same arithmetic (the same score tiles, the same value sums), so a request's output does
+// not depend on which one ran.
+bool heads_loop_takes(int64_t num_reqs, int64_t threads, int64_t group, int64_t head_dim, int64_t elem_bytes) {
   const bool compiled = head_dim == 16 || head_dim == 32 || head_dim == 64;
-  return !amx && group >= 1 && group <= 8 && compiled && head_dim * elem_bytes <= 128 && num_reqs >= 2 * threads;
+  return group >= 1 && group <= 8 && compiled && head_dim * elem_bytes <= 128 && num_reqs >= 2 * threads;
 }
 
 template <typename scalar_t>
@@ -672,8 +729,11 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
   const bool amx = std::is_same_v<scalar_t, at::BFloat16> && amx_scores_take(head_dim, group);
 #if defined(PDSERVE_SIMD)
   const int64_t threads = std::max(1, at::get_num_threads());
-  if (head_dim % Vec::L == 0 && heads_loop_takes(num_reqs, threads, group, head_dim, sizeof(scalar_t), amx)) {
+  if (head_dim % Vec::L == 0 && heads_loop_takes(num_reqs, threads, group, head_dim, sizeof(scalar_t))) {
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+#if PDSERVE_AMX
+      if (amx) configure_score_tiles(static_cast<int>(group));
+#endif
       // Every head of a request at once: its scores are heads x len floats, 16 MB for 32 heads of a
       // 128K-token request. Kept from call to call on each (pool) thread and grown, never cleared (each
       // score is written before it is read), rather than allocated and zeroed per layer.
@@ -684,9 +744,10 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       if (queries.size() < heads * head_dim) queries.resize(heads * head_dim);
       for (int64_t t = t0; t < t1; ++t) {
         const auto [first, last] = units_of_thread(lens, num_reqs, num_kv_heads, t, threads);
-        AheadLines<scalar_t> ahead{kc, vc, tables, lens, max_blocks, block_size, c_block, c_slot, c_head, head_dim,
-                                   num_kv_heads, first, last};
-        ahead.fetch(kAheadBytes / 64);
+        AheadLines<scalar_t> ahead{kc,      vc,     tables,   lens,         max_blocks, block_size,
+                                   c_block, c_slot, c_head,   head_dim,     num_kv_heads, first,
+                                   last,    ahead_into_l2()};
+        ahead.fetch(ahead_bytes() / 64);
         for (int64_t r = first / num_kv_heads; r * num_kv_heads < last; ++r) {
           const auto [h0, h1] = heads_in(r, first, last, num_kv_heads);
           bool done = false;
@@ -695,7 +756,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
   case D:                                                                                                         \
     done = attend_heads_of<scalar_t, D>(group, q + r * q_req, q_head, kc, vc, tables + r * max_blocks, lens[r],   \
                                         h0, h1, block_size, c_block, c_slot, c_head, fscale, queries.data(),      \
-                                        scores.data(), acc.data(), o + r * o_req, o_head, ahead);                 \
+                                        scores.data(), acc.data(), o + r * o_req, o_head, ahead, amx);            \
     break;
             PDSERVE_ATTEND(16) PDSERVE_ATTEND(32) PDSERVE_ATTEND(64)
 #undef PDSERVE_ATTEND
@@ -705,6 +766,9 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
           TORCH_CHECK(done, "decode_attention: no vector loop for head size ", head_dim, " and group ", group);
         }
       }
+#if PDSERVE_AMX
+      if (amx) _tile_release();
+#endif
     });
     return;
   }
