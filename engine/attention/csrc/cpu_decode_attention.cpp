@@ -476,11 +476,11 @@ inline std::pair<int64_t, int64_t> heads_in(int64_t r, int64_t first, int64_t la
 
 // The cache lines one thread will read, in the order it reads them (per request, its key blocks, then
 // its value blocks; of each slot, the bytes of the thread's KV heads), fetched a slot row at a time a
-// fixed distance ahead of the reads (ahead_into_l2 says into which level). Without it each block starts
-// with a round trip to DRAM (blocks sit anywhere in the cache). Fetched a whole block at once, the
-// requests outran what the core keeps in flight and stalled the loop behind them: on a Zen 5 EPYC a
-// bfloat16 decode batch ran 0.84-0.90x the speed of the per-head loop this replaces, and 1.36-1.53x with
-// the fetch spread.
+// fixed distance ahead of the reads (ahead_bytes, into the level fetch_into_l2 picks). Without it each
+// block starts with a round trip to DRAM (blocks sit anywhere in the cache). Fetched a whole block at
+// once, the requests outran what the core keeps in flight and stalled the loop behind them: on a Zen 5
+// EPYC a bfloat16 decode batch ran 0.84-0.90x the speed of the per-head loop this replaces, and
+// 1.36-1.53x with the fetch spread.
 template <typename scalar_t>
 struct AheadLines {
   const scalar_t* kc;
@@ -522,10 +522,7 @@ struct AheadLines {
         row = 0;
       }
       const char* slot = at + elem * row * c_slot;
-      if (into_l2)
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(slot + 64 * l, _MM_HINT_T1);
-      else
-        for (int64_t l = 0; l < lines; ++l) _mm_prefetch(slot + 64 * l, _MM_HINT_T0);
+      for (int64_t l = 0; l < lines; ++l) fetch_line(slot + 64 * l, into_l2);
       count -= lines;
       if (++row == rows) {
         at = nullptr;
@@ -542,25 +539,18 @@ inline int64_t share_of(int64_t n, int64_t h, int64_t h0, int64_t h1) {
   return to - from;
 }
 
-// How far ahead of its reads a thread keeps fetching, and into which level, by CPU maker. On AMD into L1,
-// 8 KiB ahead: with the cache truly in memory (a 96 MB read between calls, as a decode step's weights
-// stream between one layer's calls from step to step), on a Zen 5 EPYC the lines fetched into L1 8 KiB
-// ahead read the cache 1.24x faster than into L2 16 KiB ahead at 16 requests of 300 tokens, 1.29-1.5x at
-// 8-64 requests of 64-1000 (4-16 KiB level, 32 KiB less; a second stream into L2 64-128 KiB ahead on top,
-// 0.93-0.96x; none at all, 0.82x). Whole bfloat16 decode steps of the bench model, alternated in one
-// process: 16 requests 1.08x, 64 1.13x, 4 1.03x. Measured with the cache left in L3 between calls, every
-// distance and either level had looked alike. On Intel the other way round: on a 2-core AMX Xeon (blocks
-// shuffled through the cache, whole bfloat16 decode steps alternated in one process) into L2 16 KiB ahead
-// ran 1.04x faster than into L1 8 KiB ahead at 16 requests with AMX scores and with pair scores alike,
-// 1.05x at 64 (4, 8 or 32 KiB about the same; into L3 level with L2).
-inline bool ahead_into_l2() {
-  static const bool intel = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
-  }();
-  return intel;
-}
-inline int64_t ahead_bytes() { return ahead_into_l2() ? 16 * 1024 : 8 * 1024; }
+// How far ahead of its reads a thread keeps fetching, into the level pdserve_simd::fetch_into_l2 picks.
+// On AMD into L1, 8 KiB ahead: with the cache truly in memory (a 96 MB read between calls, as a decode
+// step's weights stream between one layer's calls from step to step), on a Zen 5 EPYC the lines
+// fetched into L1 8 KiB ahead read the cache 1.24x faster than into L2 16 KiB ahead at 16 requests of
+// 300 tokens, 1.29-1.5x at 8-64 requests of 64-1000 (4-16 KiB level, 32 KiB less; a second stream
+// into L2 64-128 KiB ahead on top, 0.93-0.96x; none at all, 0.82x). Whole bfloat16 decode steps of the
+// bench model, alternated in one process: 16 requests 1.08x, 64 1.13x, 4 1.03x. Measured with the
+// cache left in L3 between calls, every distance and either level had looked alike. On Intel into L2,
+// 16 KiB ahead: on a 2-core AMX Xeon (blocks shuffled through the cache, whole bfloat16 decode steps
+// alternated in one process) 1.04x faster than into L1 8 KiB ahead at 16 requests, with AMX scores
+// and with pair scores alike, 1.05x at 64 (4, 8 or 32 KiB about the same; into L3 level with L2).
+inline int64_t ahead_bytes() { return fetch_into_l2() ? 16 * 1024 : 8 * 1024; }
 
 // One request's KV heads [h0, h1), block by block: each block of the cache is read in order, every head
 // of a slot together (a head is 128 bytes of a 512-byte slot in bfloat16 with four KV heads of 64; read
@@ -746,7 +736,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
         const auto [first, last] = units_of_thread(lens, num_reqs, num_kv_heads, t, threads);
         AheadLines<scalar_t> ahead{kc,      vc,     tables,   lens,         max_blocks, block_size,
                                    c_block, c_slot, c_head,   head_dim,     num_kv_heads, first,
-                                   last,    ahead_into_l2()};
+                                   last,    fetch_into_l2()};
         ahead.fetch(ahead_bytes() / 64);
         for (int64_t r = first / num_kv_heads; r * num_kv_heads < last; ++r) {
           const auto [h0, h1] = heads_in(r, first, last, num_kv_heads);

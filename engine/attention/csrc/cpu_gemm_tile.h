@@ -175,12 +175,12 @@ inline void micro_group(const float* x, int64_t ldx, const W* panels, int64_t pa
   const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR][NP];
   load_sums<MR, NP>(acc, out, ldo, last, first);
+  const bool into_l2 = pdserve_simd::fetch_into_l2();
   for (int64_t k = k0; k < k1; ++k) {
     if (ahead != nullptr && starts_line<W>(k - k0)) {
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j)
-        if (ahead_panels & (1 << j))
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + j * panel_size + (k - k0) * kPanel), _MM_HINT_T0);
+        if (ahead_panels & (1 << j)) pdserve_simd::fetch_line(ahead + j * panel_size + (k - k0) * kPanel, into_l2);
     }
     __m512 wv[NP];
 #pragma GCC unroll 4
