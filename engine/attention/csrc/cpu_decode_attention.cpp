@@ -683,10 +683,11 @@ std::pair<int64_t, int64_t> units_of_thread(const int32_t* lens, int64_t num_req
 // 2-core AMX Xeon, not taken), with requests enough for every thread. With AMX scores too: on that
 // Xeon, read a head at a time (2 of a slot's 8 lines) the blocks of a request shuffled through the
 // cache read at 16-17 GB/s and whole slots at 19-21 (read alone, no arithmetic; a plain sum 25-31);
-// whole bfloat16 decode steps of the bench model, the two loops alternated in one process: 1.09-1.13x
-// at 16 requests of 256 tokens, 1.15-1.19x at 64, 1.22x at 16 of 1024, level at 4. Both loops give a
-// head the same arithmetic (the same score tiles, the same value sums), so a request's output does
-// not depend on which one ran.
+// whole bfloat16 decode steps of the bench model, the two loops alternated in one process: in one hour
+// 1.09-1.13x at 16 requests of 256 tokens, 1.15-1.19x at 64, 1.22x at 16 of 1024, level at 4; in a
+// later one level at 16 and 1.04x at 64 (the per-head loop's own time moved with the hour, the
+// whole-slot loop's much less). Both loops give a head the same arithmetic (the same score tiles, the
+// same value sums), so a request's output does not depend on which one ran.
 bool heads_loop_takes(int64_t num_reqs, int64_t threads, int64_t group, int64_t head_dim, int64_t elem_bytes) {
   const bool compiled = head_dim == 16 || head_dim == 32 || head_dim == 64;
   return group >= 1 && group <= 8 && compiled && head_dim * elem_bytes <= 128 && num_reqs >= 2 * threads;
