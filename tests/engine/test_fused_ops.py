@@ -232,11 +232,6 @@ def test_triton_kernel_matches_eager(triton_results, case):
     assert triton_results[case] <= 1.0, f"{case}: error {triton_results[case]:.2f}x the tolerance"
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--triton-cases"]:
-        print(json.dumps(run_triton_cases()))
-
-
 def test_a_kernel_build_with_other_flags_gets_its_own_library(monkeypatch):
     """The compiled library is cached by name: a change of compiler flags must name a new one, or a
     library built with the old flags would keep being loaded."""
@@ -245,3 +240,8 @@ def test_a_kernel_build_with_other_flags_gets_its_own_library(monkeypatch):
     name = cpu_kernels._build_name()
     monkeypatch.setattr(cpu_kernels, "CFLAGS", [*cpu_kernels.CFLAGS, "-fno-tree-vectorize"])
     assert cpu_kernels._build_name() != name
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--triton-cases"]:
+        print(json.dumps(run_triton_cases()))

@@ -489,7 +489,7 @@ struct AheadLines {
   const int32_t* lens;
   int64_t max_blocks, block_size, c_block, c_slot, c_head, head_dim, kv_heads;
   int64_t unit, end;  // the (request, KV head) units left to fetch, numbered r * kv_heads + h: [unit, end)
-  bool into_l2;
+  bool into_l2 = fetch_into_l2();
   int64_t item = 0, row = 0, rows = 0, lines = 0;  // of the block being fetched
   const char* at = nullptr;  // the first line of the block's rows to fetch, or null between blocks
 
@@ -569,10 +569,12 @@ void attend_heads(const scalar_t* q, int64_t q_head, const scalar_t* kc, const s
   constexpr bool amx_fits = std::is_same_v<scalar_t, at::BFloat16> && amx_scores_fit(D, G);
   constexpr int64_t qtile = amx_fits ? D / kDims * kKeyRows * kDims : 1;  // one head's B tiles, in uint16
   thread_local std::vector<uint16_t> qtiles;
-  if (amx_fits && amx) {
-    if (qtiles.size() < static_cast<size_t>(h1 * qtile)) qtiles.resize(h1 * qtile);
-    for (int64_t h = h0; h < h1 && len > 0; ++h)
-      if constexpr (amx_fits) query_tiles<D, G>(q + h * G * q_head, q_head, qtiles.data() + h * qtile);
+  if constexpr (amx_fits) {
+    if (amx) {
+      if (qtiles.size() < static_cast<size_t>(h1 * qtile)) qtiles.resize(h1 * qtile);
+      for (int64_t h = h0; h < h1 && len > 0; ++h)
+        query_tiles<D, G>(q + h * G * q_head, q_head, qtiles.data() + h * qtile);
+    }
   }
 #else
   (void)amx;
@@ -735,9 +737,8 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
       if (queries.size() < heads * head_dim) queries.resize(heads * head_dim);
       for (int64_t t = t0; t < t1; ++t) {
         const auto [first, last] = units_of_thread(lens, num_reqs, num_kv_heads, t, threads);
-        AheadLines<scalar_t> ahead{kc,      vc,     tables,   lens,         max_blocks, block_size,
-                                   c_block, c_slot, c_head,   head_dim,     num_kv_heads, first,
-                                   last,    fetch_into_l2()};
+        AheadLines<scalar_t> ahead{kc, vc, tables, lens, max_blocks, block_size, c_block, c_slot, c_head, head_dim,
+                                   num_kv_heads, first, last};
         ahead.fetch(ahead_bytes() / 64);
         for (int64_t r = first / num_kv_heads; r * num_kv_heads < last; ++r) {
           const auto [h0, h1] = heads_in(r, first, last, num_kv_heads);
