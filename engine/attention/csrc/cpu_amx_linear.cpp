@@ -140,6 +140,11 @@ inline void weight_tile_times(const uint16_t* a, int64_t lda, const uint16_t* b)
 // the 2-core AMX Xeon, whole bfloat16 decode steps of the bench model alternated in one process: 1.04-
 // 1.05x at 1 and 16 rows against requesting this k-block's own lines just before their loads (one
 // or three k-blocks on about the same, four 1.04x; into L2 instead of L1 1.02x; none at all level).
+// Where the rest goes, measured later on that Xeon: a step's 49 matmuls run back to back with nothing
+// between them read their weights at 0.66-0.70 of a 1 GiB sum's rate, where plain vector loads of the
+// same halves read at 0.91, and perf puts 62% of the kernel's samples on these prefetches (each waits
+// for a free line-fill buffer). Dropping them is 1.05-1.2x faster in that bare loop but level in
+// whole steps (0.995-0.997x), as are B tiles rotated over three registers or x in two (0.95x bare).
 constexpr int64_t kFewAhead = 2;
 
 template <int NB>
@@ -292,6 +297,12 @@ void many_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
     });
 }
 
+// The output blocks are split among the threads in equal contiguous halves. On the 2-core AMX Xeon
+// the two halves of a decode matmul (16 rows) ended 25-39 us apart on average, heavy-tailed: a
+// quarter of the calls more than 30 us, 1.2-1.9 ms a step in all. Claiming groups one at a time
+// instead (from one counter, or thread 0 from the front and thread 1 from the back) cut that to 0.6
+// ms, yet whole bf16 decode steps were level (0.99-1.03x, alternated in one process): the thread
+// left alone reads at most of the machine's rate, so the wait costs little of the stream.
 void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks,
                const Output& out) {
   const int64_t n_blocks = (out.n_size + kBlock - 1) / kBlock;
