@@ -186,19 +186,19 @@ def run(args: argparse.Namespace, on_ready: Callable[[], None] | None = None) ->
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    if args.rank_port_base is not None:
-        from pdserve.engine.server.rank_ports import RankPortError, check_rank_ports, probe
+    from pdserve.engine.server.rank_ports import RankPortError, check_rank_ports, probe
 
+    if args.rank_port_base is not None:
         problem = check_rank_ports(args.rank_port_base, args.data_parallel_size, args.port,
                                    {"--dp-coordinator-http-port": args.dp_coordinator_http_port})
         if problem:
             print(f"pdserve serve: {problem}", file=sys.stderr)
             return 2
-        try:  # now, not after the model has loaded
-            probe(args.host, _ports(args))
-        except RankPortError as exc:
-            print(f"pdserve serve: {exc}", file=sys.stderr)
-            return 1
+    try:  # a port already taken fails now, not after the model has loaded
+        probe(args.host, _ports(args))
+    except RankPortError as exc:
+        print(f"pdserve serve: {exc}", file=sys.stderr)
+        return 1
     if args.kv_transfer_config and args.internal_key is None:
         if not args.insecure_kv_transfer:
             print("pdserve serve: a KV connector needs the deployment's internal key, or anyone who reaches this "
@@ -238,7 +238,7 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
     except (ValueError, OSError) as exc:
         print(f"pdserve serve: {exc}", file=sys.stderr)
         return 2
-    from pdserve.engine.server.rank_ports import RankPortError, RankPorts, bind_all
+    from pdserve.engine.server.rank_ports import RankPortError, RankPorts, bind_all, listen_all
 
     rank_ports = (RankPorts(args.rank_port_base, args.data_parallel_size)
                   if args.rank_port_base is not None else None)
@@ -248,13 +248,17 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
                                                internal_key=args.internal_key,
                                                metrics_require_key=args.metrics_require_key),
                         tool_call_parser=args.tool_call_parser, rank_ports=rank_ports)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+        # Listening before "ready" is printed: a port taken while the model loaded (the check at
+        # start-up cannot hold it) fails here with its name, not after a ready line in the log.
+        # With rank ports: one server, one app, several listening sockets; the app tells them apart.
+        try:
+            sockets = listen_all(bind_all(args.host, _ports(args)), config.backlog)
+        except RankPortError as exc:
+            print(f"pdserve serve: {exc}", file=sys.stderr)
+            return 1
         if rank_ports is not None:
-            # One server, one app, several listening sockets: the app tells the ports apart.
-            try:
-                sockets = bind_all(args.host, _ports(args))
-            except RankPortError as exc:
-                print(f"pdserve serve: {exc}", file=sys.stderr)
-                return 1
             log.info("data-parallel rank ports %s", rank_ports.describe())
         log.info("serving %s on http://%s:%d/v1 (%d KV blocks)", engine.model_name, args.host, args.port,
                  engine.config.num_kv_blocks)
@@ -263,8 +267,6 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
               flush=True)
         if on_ready is not None:
             on_ready()
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
         GracefulServer(config).run(sockets=sockets)
     finally:
         for sock in sockets or ():
@@ -274,8 +276,11 @@ def _serve(args: argparse.Namespace, on_ready: Callable[[], None] | None) -> int
 
 
 def _ports(args: argparse.Namespace) -> dict[int, str]:
+    """The ports this server listens on (port -> what it is): --port, and the rank ports if any."""
     from pdserve.engine.server.rank_ports import RankPorts, server_ports
 
+    if args.rank_port_base is None:
+        return {args.port: "--port"}
     return server_ports(args.port, RankPorts(args.rank_port_base, args.data_parallel_size))
 
 

@@ -106,6 +106,25 @@ def bind_all(host: str, ports: Mapping[int, str]) -> list[socket.socket]:
     return bound
 
 
+def listen_all(sockets: list[socket.socket], backlog: int) -> list[socket.socket]:
+    """`sockets` listening, or RankPortError naming the first that could not, with none left open.
+
+    A bind can succeed while another process holds the port: two sockets with SO_REUSEADDR may
+    both bind one port so long as neither listens. The second listen() is the one that fails."""
+    try:
+        for sock in sockets:
+            try:
+                sock.listen(backlog)
+            except OSError as exc:
+                host, port = sock.getsockname()[:2]
+                raise RankPortError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def probe(host: str, ports: Mapping[int, str]) -> None:
     """Fail now, before a model loads for minutes, when a port is already taken (RankPortError)."""
     for sock in bind_all(host, ports):

@@ -17,10 +17,22 @@ from typing import Iterator
 import httpx
 
 
+# Ports free_port has handed out in this process. A server binds its port only once its model has
+# loaded, seconds after the port was picked, and in that window the kernel may offer the same free
+# port again: two decode engines of the migration test's stack once got one port, the second failed
+# to listen, and both answered to one URL.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, never one this process was given before."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @dataclass
