@@ -25,9 +25,10 @@ keeps only that rank's series (`engine` label), since a picker scraping B+r take
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 MAX_PORT = 65535
 
@@ -93,16 +94,12 @@ def bind_all(host: str, ports: Mapping[int, str]) -> list[socket.socket]:
     """Bound sockets for every port (port -> what it is, for the error), or RankPortError naming the
     one that failed, with none left open."""
     bound: list[socket.socket] = []
-    try:
+    with _closed_on_failure(bound):
         for port, what in ports.items():
             try:
                 bound.append(_listener(host, port))
             except OSError as exc:
                 raise RankPortError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}") from None
-    except BaseException:
-        for sock in bound:
-            sock.close()
-        raise
     return bound
 
 
@@ -111,18 +108,25 @@ def listen_all(sockets: list[socket.socket], backlog: int) -> list[socket.socket
 
     A bind can succeed while another process holds the port: two sockets with SO_REUSEADDR may
     both bind one port so long as neither listens. The second listen() is the one that fails."""
-    try:
+    with _closed_on_failure(sockets):
         for sock in sockets:
             try:
                 sock.listen(backlog)
             except OSError as exc:
                 host, port = sock.getsockname()[:2]
                 raise RankPortError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets
+
+
+@contextlib.contextmanager
+def _closed_on_failure(sockets: list[socket.socket]) -> Iterator[None]:
+    """Close every socket in `sockets` (as it stands then) if the block raises."""
+    try:
+        yield
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
-    return sockets
 
 
 def probe(host: str, ports: Mapping[int, str]) -> None:
