@@ -31,7 +31,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_decode_attent
                                                                 "cpu_argmax.cpp", "cpu_int8_panels.cpp")]
 # Included by the sources: part of the build's name.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_simd.h", "cpu_gemm_tile.h", "cpu_amx.h",
-                                                                "cpu_parallel.h")]
+                                                                "cpu_parallel.h", "cpu_step_parts.h")]
 # -march=native: the build is this CPU's (and named by it, below). -mprefer-vector-width=512: GCC 12
 # auto-vectorizes plain loops (the fused ops' float math, bfloat16 widening and rounding) with 256-bit
 # vectors on AVX-512 CPUs unless told otherwise; our intrinsics are what they are either way.

@@ -104,11 +104,16 @@ class DecodeCall:
         return self.paths[rows]
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: AttentionMetadata, paths: list[int]) -> torch.Tensor:
+            meta: AttentionMetadata, paths: list[int], one_region: bool | None = None) -> torch.Tensor:
+        """The layers' output. `one_region`: whether the C++ loop may run the step in one OpenMP
+        region where every matmul is on AMX tiles (its output is the op-by-op loop's to the bit);
+        by default unless PDSERVE_DECODE_REGION=0."""
+        if one_region is None:
+            one_region = region_enabled()
         return torch.ops.pdserve_cpu.decode_layers(
             hidden, positions, self.norms, self.weights, self.packed, self.biases, paths, kv_caches,
             meta.slot_mapping, meta.block_tables, meta.seq_lens, self.cos, self.sin, self.rotary_dim,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps, one_region)
 
 
 def _int8_values(q: Int8Linear) -> torch.Tensor:
@@ -117,6 +122,10 @@ def _int8_values(q: Int8Linear) -> torch.Tensor:
 
 def enabled() -> bool:
     return os.environ.get("PDSERVE_DECODE_CALL", "1") != "0"
+
+
+def region_enabled() -> bool:
+    return os.environ.get("PDSERVE_DECODE_REGION", "1") != "0"
 
 
 def model_fits(model: nn.Module) -> bool:

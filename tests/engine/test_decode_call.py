@@ -288,3 +288,94 @@ def test_the_step_profilers_labels_keep_the_loop_but_other_wrappers_do_not(model
         assert twice.one_call_steps == before and len(seen) == 12 * 3  # 12 steps of 3 layers
     finally:
         llm.shutdown()
+
+
+class RegionAndOps:
+    """Wraps DecodeCall.run: each step runs op by op (`one_region=False`) and then as allowed by
+    default, and records the steps the one-region loop ran (its counter in the library), their
+    rows, and whether both results are the same bits."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.region_rows: list[int] = []
+        self.steps = 0
+        self.mismatches: list[str] = []
+        ran = decode_call.DecodeCall.run
+        counter = torch.ops.pdserve_cpu.decode_region_steps
+
+        def run(plan, hidden, positions, kv_caches, meta, paths, one_region=None):
+            # The layers update their input (the residual) in place: each run gets its own copy.
+            by_ops = ran(plan, hidden.clone(), positions, kv_caches, meta, paths, False)
+            before = counter()
+            out = ran(plan, hidden, positions, kv_caches, meta, paths, one_region)
+            self.steps += 1
+            if counter() > before:
+                self.region_rows.append(hidden.shape[0])
+            if not torch.equal(by_ops, out):
+                self.mismatches.append(f"{hidden.shape[0]} rows: max difference {(by_ops - out).abs().max()}")
+            return out
+
+        monkeypatch.setattr(decode_call.DecodeCall, "run", run)
+
+
+def generate_rows(llm: LLM, rows: tuple[int, ...], seed: int) -> None:
+    for i, count in enumerate(rows):
+        llm.generate(prompts(count, seed=seed + i), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "llama3_rope"])
+def test_a_bfloat16_step_on_amx_tiles_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, name):
+    """Every matmul on AMX tiles and no bias: the step runs in one OpenMP region, at one row, at
+    several, and past a tile's 16 rows (its inputs padded with zero rows), with the op-by-op
+    loop's output to the bit."""
+    if not layers.amx_supported():
+        pytest.skip("no AMX here: bfloat16 weights cannot go in AMX tiles")
+    monkeypatch.setenv("PDSERVE_BF16_PACKING", "amx")
+    llm = LLM(model_dir(name), dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32)
+    try:
+        set_paths(llm, "packed")
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1, 5, 20), seed=11)
+    finally:
+        llm.shutdown()
+    assert seen.mismatches == []
+    assert {1, 5, 20} <= set(seen.region_rows) and len(seen.region_rows) == seen.steps
+
+
+def test_a_float32_step_on_panels_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, float_packing):
+    float_packing("panels")
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=256, max_num_seqs=32)
+    try:
+        set_paths(llm, "packed")  # one row on the panels too
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1, 5, 20), seed=12)
+    finally:
+        llm.shutdown()
+    assert seen.mismatches == []
+    assert {1, 5, 20} <= set(seen.region_rows) and len(seen.region_rows) == seen.steps
+
+
+def test_steps_the_region_cannot_run_go_op_by_op(model_dir, monkeypatch, float_packing):
+    """qwen2's q/k/v biases, a matmul path other than tiles or panels (one row on our row kernel),
+    or PDSERVE_DECODE_REGION=0: the loop runs op by op, and its output is what it was."""
+    float_packing("panels")
+    llm = LLM(model_dir("qwen2"), dtype="float32", num_kv_blocks=256)
+    try:
+        set_paths(llm, "packed")
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1, 5), seed=13)
+        assert seen.steps >= 8 and seen.region_rows == [] and seen.mismatches == []
+    finally:
+        llm.shutdown()
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=256)
+    try:
+        set_paths(llm, "kernel")
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1,), seed=14)
+        assert seen.steps >= 4 and seen.region_rows == [] and seen.mismatches == []
+        set_paths(llm, "packed")
+        monkeypatch.setenv("PDSERVE_DECODE_REGION", "0")
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1, 5), seed=15)
+        assert seen.steps >= 8 and seen.region_rows == [] and seen.mismatches == []
+    finally:
+        llm.shutdown()

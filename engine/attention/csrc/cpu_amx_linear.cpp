@@ -30,6 +30,8 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_parallel.h"
+#include "cpu_step_parts.h"
 
 namespace {
 
@@ -306,7 +308,7 @@ void many_rows(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w
 void amx_times(const uint16_t* x, int64_t lda, int64_t m_size, const uint16_t* w, int64_t k_blocks,
                const Output& out) {
   const int64_t n_blocks = (out.n_size + kBlock - 1) / kBlock;
-  at::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
+  pdserve_parallel::parallel_for(0, n_blocks, 1, [&](int64_t b0, int64_t b1) {
     configure_tiles(static_cast<int>(std::min(kRows, m_size)));
     if (m_size <= kRows) {
       few_rows(m_size, b0, b1, out, [&](auto n, int64_t block, float* c) {
@@ -530,6 +532,17 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
 }
 
 }  // namespace
+
+bool pdserve_parts::amx_ready() { return amx_linear_available(); }
+
+void pdserve_parts::amx_linear(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* tiles, int64_t k_blocks,
+                               uint16_t* y, int64_t out_features) {
+#if PDSERVE_AMX
+  amx_times(x, lda, rows, tiles, k_blocks, Output{y, out_features, nullptr});
+#else
+  (void)x, (void)lda, (void)rows, (void)tiles, (void)k_blocks, (void)y, (void)out_features;
+#endif
+}
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("amx_linear_available() -> bool");

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_parallel.h"
 #include "cpu_simd.h"
+#include "cpu_step_parts.h"
 
 namespace {
 
@@ -721,9 +723,9 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
 
   const bool amx = std::is_same_v<scalar_t, at::BFloat16> && amx_scores_take(head_dim, group);
 #if defined(PDSERVE_SIMD)
-  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t threads = pdserve_parallel::threads();
   if (head_dim % Vec::L == 0 && heads_loop_takes(num_reqs, threads, group, head_dim, sizeof(scalar_t))) {
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    pdserve_parallel::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
 #if PDSERVE_AMX
       if (amx) configure_score_tiles(static_cast<int>(group));
 #endif
@@ -765,7 +767,7 @@ void decode_attention_kernel(const at::Tensor& query, const at::Tensor& key_cach
     return;
   }
 #endif
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  pdserve_parallel::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
 #if PDSERVE_AMX
     if (amx) configure_score_tiles(static_cast<int>(group));
 #endif
@@ -855,6 +857,18 @@ void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, cons
 }
 
 }  // namespace
+
+template <typename T>
+void pdserve_parts::decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                     at::Tensor& out) {
+  decode_attention_kernel<T>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+}
+
+template void pdserve_parts::decode_attention<float>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&, double, at::Tensor&);
+template void pdserve_parts::decode_attention<at::BFloat16>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                            const at::Tensor&, const at::Tensor&, double, at::Tensor&);
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu_parallel.h"
+#include "cpu_step_parts.h"
 
 // Eager torch rounds every multiply and add on its own; a fused multiply-add would round once
 // and make rotary differ from the reference in the last bit. Applies to the functions below.
@@ -68,7 +69,7 @@ using pdserve_parallel::grain;
 template <typename scalar_t>
 void rms_norm_rows(scalar_t* x, int64_t x_row, scalar_t* residual, int64_t r_row, const scalar_t* weight,
                    scalar_t* out, int64_t o_row, int64_t rows, int64_t hidden, float eps) {
-  at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
+  pdserve_parallel::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> sum(hidden);
     float* s = sum.data();
     for (int64_t t = begin; t < end; ++t) {
@@ -179,7 +180,7 @@ PDSERVE_INLINE float silu(float x) {
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gate_up, int64_t in_row, scalar_t* out, int64_t out_row, int64_t rows,
                    int64_t inter) {
-  at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
+  pdserve_parallel::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* gate = gate_up + t * in_row;
       const scalar_t* up = gate + inter;
@@ -225,7 +226,7 @@ void rotary_rows(const int64_t* positions, scalar_t* q, int64_t q_tok, int64_t q
                  int64_t k_tok, int64_t k_head, int64_t k_heads, const float* cos, const float* sin,
                  int64_t table_row, int64_t rotary_dim, int64_t tokens) {
   const int64_t heads = q_heads + k_heads, half = rotary_dim / 2;
-  at::parallel_for(0, tokens * heads, grain(rotary_dim), [&](int64_t begin, int64_t end) {
+  pdserve_parallel::parallel_for(0, tokens * heads, grain(rotary_dim), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / heads, h = task % heads;
       const int64_t pos = positions[t];
@@ -262,6 +263,35 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 }
 
 }  // namespace
+
+template <typename T>
+void pdserve_parts::rms_norm(T* x, int64_t x_row, T* residual, int64_t r_row, const T* weight, T* out, int64_t o_row,
+                             int64_t rows, int64_t hidden, float eps) {
+  rms_norm_rows<T>(x, x_row, residual, r_row, weight, out, o_row, rows, hidden, eps);
+}
+
+template <typename T>
+void pdserve_parts::silu_mul(const T* gate_up, int64_t in_row, T* out, int64_t out_row, int64_t rows, int64_t inter) {
+  silu_mul_rows<T>(gate_up, in_row, out, out_row, rows, inter);
+}
+
+template <typename T>
+void pdserve_parts::rotary(const int64_t* positions, T* q, int64_t q_tok, int64_t q_head, int64_t q_heads, T* k,
+                           int64_t k_tok, int64_t k_head, int64_t k_heads, const float* cos, const float* sin,
+                           int64_t table_row, int64_t rotary_dim, int64_t tokens) {
+  rotary_rows<T>(positions, q, q_tok, q_head, q_heads, k, k_tok, k_head, k_heads, cos, sin, table_row, rotary_dim,
+                 tokens);
+}
+
+#define PDSERVE_PARTS(T)                                                                                      \
+  template void pdserve_parts::rms_norm<T>(T*, int64_t, T*, int64_t, const T*, T*, int64_t, int64_t, int64_t,  \
+                                           float);                                                            \
+  template void pdserve_parts::silu_mul<T>(const T*, int64_t, T*, int64_t, int64_t, int64_t);                  \
+  template void pdserve_parts::rotary<T>(const int64_t*, T*, int64_t, int64_t, int64_t, T*, int64_t, int64_t,  \
+                                         int64_t, const float*, const float*, int64_t, int64_t, int64_t);
+PDSERVE_PARTS(float)
+PDSERVE_PARTS(at::BFloat16)
+#undef PDSERVE_PARTS
 
 // Same namespace as the decode attention, one library: this file adds to it.
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {

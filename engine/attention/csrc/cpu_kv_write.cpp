@@ -16,17 +16,40 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_parallel.h"
+#include "cpu_step_parts.h"
+
 namespace {
 
-// Copies one token's [heads, head_dim] rows from src (strides in elements) into a contiguous
+// Copies one token's [heads, head_dim] rows from src (a head head_bytes apart) into a contiguous
 // destination row.
-void copy_token(const char* src, int64_t head_stride, int64_t heads, int64_t row_bytes, int64_t elem, char* dst) {
-  if (head_stride * elem == row_bytes) {
+void copy_token(const char* src, int64_t head_bytes, int64_t heads, int64_t row_bytes, char* dst) {
+  if (head_bytes == row_bytes) {
     std::memcpy(dst, src, heads * row_bytes);
     return;
   }
-  for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * row_bytes, src + h * head_stride * elem, row_bytes);
+  for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * row_bytes, src + h * head_bytes, row_bytes);
 }
+
+}  // namespace
+
+void pdserve_parts::write_kv(const char* k_src, int64_t k_token, int64_t k_head, const char* v_src, int64_t v_token,
+                             int64_t v_head, int64_t heads, int64_t row_bytes, char* k_dst, char* v_dst,
+                             const int64_t* slots, int64_t tokens) {
+  const int64_t token_bytes = heads * row_bytes;
+  // A decode step's few tokens are not worth waking threads for: a token is a few KiB.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 2 * token_bytes));
+  pdserve_parallel::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      copy_token(k_src + t * k_token, k_head, heads, row_bytes, k_dst + slot * token_bytes);
+      copy_token(v_src + t * v_token, v_head, heads, row_bytes, v_dst + slot * token_bytes);
+    }
+  });
+}
+
+namespace {
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
@@ -44,7 +67,6 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
   if (tokens == 0) return;
   const int64_t elem = key.element_size();
   const int64_t row_bytes = head_dim * elem;
-  const int64_t token_bytes = heads * row_bytes;
   TORCH_CHECK(key_cache.numel() % (heads * head_dim) == 0 &&
                   key_cache.size(key_cache.dim() - 1) * key_cache.size(key_cache.dim() - 2) == heads * head_dim,
               "the caches' last two dimensions must be [kv_heads, head_dim] of the keys");
@@ -53,21 +75,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
   const int64_t last = *std::max_element(slots, slots + tokens);
   TORCH_CHECK(last < num_slots, "slot ", last, " is outside the KV cache of ", num_slots, " slots");
 
-  const char* k_src = static_cast<const char*>(key.data_ptr());
-  const char* v_src = static_cast<const char*>(value.data_ptr());
-  char* k_dst = static_cast<char*>(key_cache.data_ptr());
-  char* v_dst = static_cast<char*>(value_cache.data_ptr());
-  const int64_t k_token = key.stride(0) * elem, v_token = value.stride(0) * elem;
-  // A decode step's few tokens are not worth waking threads for: a token is a few KiB.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, 2 * token_bytes));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      copy_token(k_src + t * k_token, key.stride(1), heads, row_bytes, elem, k_dst + slot * token_bytes);
-      copy_token(v_src + t * v_token, value.stride(1), heads, row_bytes, elem, v_dst + slot * token_bytes);
-    }
-  });
+  pdserve_parts::write_kv(static_cast<const char*>(key.data_ptr()), key.stride(0) * elem, key.stride(1) * elem,
+                          static_cast<const char*>(value.data_ptr()), value.stride(0) * elem, value.stride(1) * elem,
+                          heads, row_bytes, static_cast<char*>(key_cache.data_ptr()),
+                          static_cast<char*>(value_cache.data_ptr()), slots, tokens);
 }
 
 }  // namespace

@@ -23,6 +23,8 @@
 #include <cstdint>
 
 #include "cpu_gemm_tile.h"
+#include "cpu_parallel.h"
+#include "cpu_step_parts.h"
 
 namespace {
 
@@ -62,7 +64,7 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // shapes 1.04-1.12x at 1024 and 2048 rows (446-466 GFLOP/s of a 545 peak), level at 384 and 768;
   // slices of 128 rows or fewer ran 0.97-0.98x at 192-384 rows, re-reading the weights too often.
   const int64_t slice = pdserve_gemm::slice_rows(m_size, kGroupRows);
-  at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
+  pdserve_parallel::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < m_size; m0 += slice) {
       const int64_t m1 = std::min(m_size, m0 + slice);
       const int64_t blocks = (m1 - m0 + kGroupRows - 1) / kGroupRows;
@@ -91,7 +93,7 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
     }
   });
 #else
-  at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
+  pdserve_parallel::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = wp + p * panel_size;
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, n_size - n0);
@@ -140,6 +142,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
 }
 
 }  // namespace
+
+void pdserve_parts::panel_linear(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t count,
+                                 int64_t k_size, float* y, int64_t out_features) {
+  panels_times(x, ldx, panels, count, rows, k_size, out_features, y);
+}
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor");

@@ -1,5 +1,6 @@
-// How much work a parallel task of our elementwise kernels gets: below it, waking another thread
-// costs more than it saves.
+// How our kernels split their work over threads: how much a parallel task of the elementwise
+// kernels gets (below it, waking another thread costs more than it saves), and the team in which a
+// decode step's kernels share one OpenMP region.
 
 #pragma once
 
@@ -8,6 +9,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+
+#include <ATen/Parallel.h>
+#include <omp.h>
 
 namespace pdserve_parallel {
 
@@ -31,6 +35,56 @@ inline bool threads_sleep() {
 inline int64_t grain(int64_t item_elems) {
   const int64_t per_task = threads_sleep() ? 32768 : 8192;
   return std::max<int64_t>(1, per_task / std::max<int64_t>(item_elems, 1));
+}
+
+// ---- One region for many ops ----------------------------------------------------------------
+//
+// A decode step's layers are about ten ops each, and each op's at::parallel_for opens an OpenMP
+// region of its own: the main thread wakes the pool, runs its share, waits for the others, then
+// alone goes through the dispatcher, the next op's checks and allocations while the pool spins.
+// cpu_decode_step.cpp's one-region loop instead runs every op of the step inside one region (a
+// "team"): each thread walks the same ops, takes its share of each, and meets the others at a
+// barrier before the next. The kernels split their work through pdserve_parallel::parallel_for,
+// which outside a team is at::parallel_for itself.
+
+// Whether this thread is running a team's ops. A function-local thread_local: one per thread
+// across the library's files.
+inline bool& in_team() {
+  static thread_local bool on = false;
+  return on;
+}
+
+// Marks this thread a team member for its scope (inside `#pragma omp parallel`).
+struct TeamMember {
+  TeamMember() { in_team() = true; }
+  ~TeamMember() { in_team() = false; }
+  TeamMember(const TeamMember&) = delete;
+  TeamMember& operator=(const TeamMember&) = delete;
+};
+
+// Threads that will share the next parallel_for: the team's, or torch's pool.
+inline int64_t threads() {
+  return in_team() ? omp_get_num_threads() : std::max(1, at::get_num_threads());
+}
+
+// f(b, e) over [begin, end) split among threads as at::parallel_for splits it (at most
+// ceil(n / grain) threads, contiguous chunks in thread order). In a team, every member must call it
+// (a member with no chunk too): it ends at a barrier, after which every chunk is done.
+template <typename F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (!in_team()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  if (begin < end) {
+    const int64_t n = end - begin;
+    int64_t workers = omp_get_num_threads();
+    if (grain > 0) workers = std::min(workers, (n + grain - 1) / grain);
+    const int64_t chunk = (n + workers - 1) / workers;
+    const int64_t first = begin + omp_get_thread_num() * chunk;
+    if (first < end) f(first, std::min(end, first + chunk));
+  }
+#pragma omp barrier
 }
 
 }  // namespace pdserve_parallel

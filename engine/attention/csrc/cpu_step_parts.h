@@ -1,0 +1,55 @@
+// A decoder layer's kernels by pointer, for the decode loop that runs a whole step in one OpenMP
+// region (cpu_decode_step.cpp). They check nothing: that loop checks its inputs once, before the
+// region, since an exception thrown inside one ends the process. Each splits its work with
+// pdserve_parallel::parallel_for, so inside a team every member calls it and it ends at a barrier.
+// The ops of the other files are these same functions behind their checks.
+
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace pdserve_parts {
+
+// x <- weight * norm(x + residual), residual <- x + residual; without a residual (nullptr),
+// out <- weight * norm(x). Row strides in elements.
+template <typename T>
+void rms_norm(T* x, int64_t x_row, T* residual, int64_t r_row, const T* weight, T* out, int64_t o_row, int64_t rows,
+              int64_t hidden, float eps);
+
+// out = SiLU(gate) * up for rows of [gate | up], each `inter` wide.
+template <typename T>
+void silu_mul(const T* gate_up, int64_t in_row, T* out, int64_t out_row, int64_t rows, int64_t inter);
+
+// Rotary embedding of q and k in place (rotate-half), positions within the cos/sin tables.
+template <typename T>
+void rotary(const int64_t* positions, T* q, int64_t q_tok, int64_t q_head, int64_t q_heads, T* k, int64_t k_tok,
+            int64_t k_head, int64_t k_heads, const float* cos, const float* sin, int64_t table_row, int64_t rotary_dim,
+            int64_t tokens);
+
+// Token t's key and value rows (heads rows of row_bytes, a head `*_head` bytes apart, a token
+// `*_token` bytes apart) into slot slots[t] of the caches (token_bytes = heads * row_bytes a slot);
+// a negative slot is skipped, and every other one is below the caches' slot count.
+void write_kv(const char* k_src, int64_t k_token, int64_t k_head, const char* v_src, int64_t v_token, int64_t v_head,
+              int64_t heads, int64_t row_bytes, char* k_dst, char* v_dst, const int64_t* slots, int64_t tokens);
+
+// Whether amx_linear can run here (this build and CPU have AMX, the OS granted its state).
+bool amx_ready();
+
+// y = x Wᵀ, bfloat16, for x of `rows` rows (row stride lda, whole k-blocks of 32 inputs, at most 16
+// rows or whole tiles of 16) and W in AMX tiles of k_blocks k-blocks; y is [rows, out_features].
+void amx_linear(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* tiles, int64_t k_blocks, uint16_t* y,
+                int64_t out_features);
+
+// y = x Wᵀ, float32, for x of `rows` rows (row stride ldx, k_size inputs) and W in `count` panels of 16
+// outputs (layers.to_panels); y is [rows, out_features].
+void panel_linear(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t count, int64_t k_size,
+                  float* y, int64_t out_features);
+
+// pdserve_cpu::decode_attention's kernel, its inputs already checked.
+template <typename T>
+void decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+}  // namespace pdserve_parts
