@@ -379,3 +379,42 @@ def test_steps_the_region_cannot_run_go_op_by_op(model_dir, monkeypatch, float_p
         assert seen.steps >= 8 and seen.region_rows == [] and seen.mismatches == []
     finally:
         llm.shutdown()
+
+
+_SLEEPING_THREADS_RUN = """
+import json, sys
+import torch
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model import decode_call, layers
+llm = LLM(sys.argv[1], dtype="float32", num_kv_blocks=256)
+model = llm.engine.client.engine_core.executor.worker.runner.model
+for module in model.modules():
+    if hasattr(module, "one_row"):
+        module.one_row = "packed"
+decode_call.forget(model)
+prompts = [{"prompt_token_ids": [5 + 7 * i + j for j in range(9)]} for i in range(5)]
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                  "region_steps": torch.ops.pdserve_cpu.decode_region_steps()}))
+llm.shutdown()
+"""
+
+
+def test_the_region_where_idle_threads_sleep_answers_as_where_they_spin(model_dir, float_packing):
+    """`pdserve up` runs its engines with OMP_WAIT_POLICY=PASSIVE (read once per process), under which
+    the region's barriers are OpenMP's own rather than spinning ones: the same greedy tokens."""
+    import json
+    import subprocess
+    import sys
+
+    float_packing("panels")
+    path = model_dir("llama")
+    runs = {}
+    for policy in ("ACTIVE", "PASSIVE"):
+        env = {**os.environ, "OMP_WAIT_POLICY": policy, "PDSERVE_FLOAT_PACKING": "panels"}
+        done = subprocess.run([sys.executable, "-c", _SLEEPING_THREADS_RUN, path], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[policy] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["ACTIVE"]["region_steps"] >= 7 and runs["PASSIVE"]["region_steps"] >= 7
+    assert runs["ACTIVE"]["tokens"] == runs["PASSIVE"]["tokens"]

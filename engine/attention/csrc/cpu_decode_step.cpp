@@ -266,9 +266,10 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
       pdserve_parts::panel_linear(in, k, rows, static_cast<const float*>(r.packed[w]), r.blocks[w], k, out, n);
   };
   const int threads = static_cast<int>(std::max(1, at::get_num_threads()));
+  pdserve_parallel::TeamBarrier barrier;
 #pragma omp parallel num_threads(threads)
   {
-    pdserve_parallel::TeamMember member;
+    pdserve_parallel::TeamMember member(&barrier);
     // The step profiler (pdserve/bench/step_profile.py) sees no op inside the region: the calling
     // thread records each kernel, barrier included, under its op's name.
     const bool records = omp_get_thread_num() == 0;
