@@ -323,13 +323,17 @@ def generate_rows(llm: LLM, rows: tuple[int, ...], seed: int) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "llama3_rope"])
-def test_a_bfloat16_step_on_amx_tiles_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, name):
-    """Every matmul on AMX tiles and no bias: the step runs in one OpenMP region, at one row, at
-    several, and past a tile's 16 rows (its inputs padded with zero rows), with the op-by-op
-    loop's output to the bit."""
-    if not layers.amx_supported():
+@pytest.mark.parametrize("packing", ["amx", "pairs"])
+def test_a_bfloat16_step_on_tiles_or_pairs_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, name,
+                                                                                      packing):
+    """Every matmul on AMX tiles (or every one in pair groups) and no bias: the step runs in one
+    OpenMP region, at one row, at several, and past a tile's 16 rows (the AMX inputs padded with
+    zero rows), with the op-by-op loop's output to the bit."""
+    if packing == "amx" and not layers.amx_supported():
         pytest.skip("no AMX here: bfloat16 weights cannot go in AMX tiles")
-    monkeypatch.setenv("PDSERVE_BF16_PACKING", "amx")
+    if packing == "pairs" and not layers.pair_groups_supported():
+        pytest.skip("no AVX512-BF16 here: bfloat16 weights cannot go in pair groups")
+    monkeypatch.setenv("PDSERVE_BF16_PACKING", packing)
     llm = LLM(model_dir(name), dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32)
     try:
         set_paths(llm, "packed")

@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "cpu_gemm_tile.h"
+#include "cpu_parallel.h"
+#include "cpu_step_parts.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -145,7 +147,7 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
   // cpu_panel_linear.cpp. On a Zen 5 (2 threads, alternated): 2048 rows 1.03-1.04x (900-945 GFLOP/s of
   // a 1090 bf16 peak) on SmolLM2's and the bench model's matmul shapes, level at 512 and 1024.
   const int64_t slice = pdserve_gemm::slice_rows(m_size, kRows);
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  pdserve_parallel::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // The float32 sums between passes over k: every row of the slice for the group's columns.
     std::vector<float> sums(q_size > steps ? static_cast<size_t>(std::min(slice, m_size) * kLine) : 0);
     for (int64_t m0 = 0; m0 < m_size; m0 += slice) {
@@ -202,6 +204,18 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, int64_t out
 bool pair_linear_available() { return PDSERVE_PAIR_PANELS; }
 
 }  // namespace
+
+bool pdserve_parts::pairs_ready() { return pair_linear_available(); }
+
+void pdserve_parts::pair_linear(const at::BFloat16* x, int64_t ldx, int64_t rows, const at::BFloat16* pairs,
+                                int64_t groups, int64_t k_size, at::BFloat16* y, int64_t out_features) {
+#if PDSERVE_PAIR_PANELS
+  pairs_times(reinterpret_cast<const uint32_t*>(x), ldx / 2, reinterpret_cast<const uint32_t*>(pairs), groups, rows,
+              k_size / 2, out_features, y);
+#else
+  (void)x, (void)ldx, (void)rows, (void)pairs, (void)groups, (void)k_size, (void)y, (void)out_features;
+#endif
+}
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("pair_linear(Tensor x, Tensor pairs, int out_features) -> Tensor");

@@ -140,10 +140,10 @@ std::atomic<int64_t> region_steps{0};
 int64_t decode_region_steps() { return region_steps.load(); }
 
 struct Region {
-  int64_t path;  // kAmx (bfloat16) or kPanels (float32), for every matmul
+  int64_t path;  // kAmx or kPairs (bfloat16), kPanels (float32): every matmul's
   int64_t rows, padded_rows, hidden, q_size, kv_size, inter, head_dim, num_heads, num_kv_heads, rotary_dim;
-  std::vector<const void*> packed;  // 4 per layer: AMX tiles or panels
-  std::vector<int64_t> blocks;      // 4 per layer: the tiles' k-blocks, or the panels' count
+  std::vector<const void*> packed;  // 4 per layer: AMX tiles, pair groups or panels
+  std::vector<int64_t> blocks;      // 4 per layer: the tiles' k-blocks, the groups' or the panels' count
   std::vector<const void*> norms;
   std::vector<at::Tensor> key_caches, value_caches;
 };
@@ -152,6 +152,13 @@ bool tiles_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
   return t.dim() == 5 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 4 &&
          t.size(3) == 16 && t.size(4) == 32 && t.size(1) * 32 == in_features && out_features <= t.size(0) * 64 &&
          out_features > (t.size(0) - 1) * 64;
+}
+
+bool pairs_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
+  // x is read a pair of inputs at a time: an odd width would need a padded copy.
+  return t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 48 &&
+         t.size(3) == 2 && in_features % 2 == 0 && t.size(1) * 2 == in_features && out_features <= t.size(0) * 48 &&
+         out_features > (t.size(0) - 1) * 48;
 }
 
 bool panels_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
@@ -171,8 +178,12 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   const int64_t rows = hidden.size(0), hidden_size = hidden.size(1);
   const at::ScalarType dtype = hidden.scalar_type();
-  const int64_t path = dtype == at::kBFloat16 ? kAmx : dtype == at::kFloat ? kPanels : -1;
-  if (rows < 1 || path < 0 || (path == kAmx && !pdserve_parts::amx_ready())) return std::nullopt;
+  const int64_t path = dtype == at::kBFloat16 && (paths[0] == kAmx || paths[0] == kPairs) ? paths[0]
+                       : dtype == at::kFloat                                              ? kPanels
+                                                                                          : -1;
+  if (rows < 1 || path < 0 || (path == kAmx && !pdserve_parts::amx_ready()) ||
+      (path == kPairs && !pdserve_parts::pairs_ready()))
+    return std::nullopt;
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || weights[2].size(0) % 2 != 0)
     return std::nullopt;
   // AMX tiles read x 16 rows at a time: past 16 the inputs are padded to whole tiles with zero rows.
@@ -186,8 +197,10 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
     if (paths[i] != path || biases.get(i).has_value() || !t.has_value() || weights[i].dim() != 2 ||
         weights[i].size(0) != outs[i % 4])
       return std::nullopt;
-    if (path == kAmx ? !tiles_fit(*t, ins[i % 4], outs[i % 4]) : !panels_fit(*t, ins[i % 4], outs[i % 4]))
-      return std::nullopt;
+    const bool fits = path == kAmx     ? tiles_fit(*t, ins[i % 4], outs[i % 4])
+                      : path == kPairs ? pairs_fit(*t, ins[i % 4], outs[i % 4])
+                                       : panels_fit(*t, ins[i % 4], outs[i % 4]);
+    if (!fits) return std::nullopt;
     r.packed.push_back(t->data_ptr());
     r.blocks.push_back(t->size(path == kAmx ? 1 : 0));
   }
@@ -259,11 +272,16 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
   const int64_t elem = static_cast<int64_t>(sizeof(T)), row_bytes = r.head_dim * elem;
   const T* const* norms = reinterpret_cast<const T* const*>(r.norms.data());
   auto matmul = [&](int64_t w, const T* in, int64_t k, T* out, int64_t n) {
-    if constexpr (std::is_same_v<T, at::BFloat16>)
-      pdserve_parts::amx_linear(reinterpret_cast<const uint16_t*>(in), k, rows, static_cast<const uint16_t*>(r.packed[w]),
-                                r.blocks[w], reinterpret_cast<uint16_t*>(out), n);
-    else
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (r.path == kAmx)
+        pdserve_parts::amx_linear(reinterpret_cast<const uint16_t*>(in), k, rows,
+                                  static_cast<const uint16_t*>(r.packed[w]), r.blocks[w],
+                                  reinterpret_cast<uint16_t*>(out), n);
+      else
+        pdserve_parts::pair_linear(in, k, rows, static_cast<const at::BFloat16*>(r.packed[w]), r.blocks[w], k, out, n);
+    } else {
       pdserve_parts::panel_linear(in, k, rows, static_cast<const float*>(r.packed[w]), r.blocks[w], k, out, n);
+    }
   };
   const int threads = static_cast<int>(std::max(1, at::get_num_threads()));
   pdserve_parallel::TeamBarrier barrier;
@@ -281,7 +299,9 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
         run();
       }
     };
-    const char* linear = std::is_same_v<T, at::BFloat16> ? "pdserve_cpu::amx_linear" : "pdserve_cpu::panel_linear";
+    const char* linear = r.path == kAmx ? "pdserve_cpu::amx_linear"
+                         : r.path == kPairs ? "pdserve_cpu::pair_linear"
+                                            : "pdserve_cpu::panel_linear";
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t w = 4 * l;
       op("pdserve_cpu::fused_add_rms_norm", [&] {
@@ -349,7 +369,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                    seq_lens, cos, sin, rotary_dim, num_heads, num_kv_heads, head_dim);
     if (region.has_value()) {
       region_steps.fetch_add(1);
-      return region->path == kAmx
+      return region->path != kPanels
                  ? run_region<at::BFloat16>(*region, hidden, positions, slot_mapping, block_tables, seq_lens, cos, sin,
                                             scale, eps)
                  : run_region<float>(*region, hidden, positions, slot_mapping, block_tables, seq_lens, cos, sin,

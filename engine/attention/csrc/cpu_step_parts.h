@@ -42,6 +42,14 @@ bool amx_ready();
 void amx_linear(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* tiles, int64_t k_blocks, uint16_t* y,
                 int64_t out_features);
 
+// Whether pair_linear can run here (this build and CPU have AVX512-BF16).
+bool pairs_ready();
+
+// y = x Wᵀ, bfloat16, for x of `rows` rows (row stride ldx, an even number, and k_size inputs, an even
+// number) and W in `groups` pair groups of 48 outputs (layers.to_pair_groups); y is [rows, out_features].
+void pair_linear(const at::BFloat16* x, int64_t ldx, int64_t rows, const at::BFloat16* pairs, int64_t groups,
+                 int64_t k_size, at::BFloat16* y, int64_t out_features);
+
 // y = x Wᵀ, float32, for x of `rows` rows (row stride ldx, k_size inputs) and W in `count` panels of 16
 // outputs (layers.to_panels); y is [rows, out_features].
 void panel_linear(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t count, int64_t k_size,
