@@ -129,7 +129,7 @@ std::optional<at::Tensor> item(const c10::List<std::optional<at::Tensor>>& list,
 // output's allocation and the views of q, k and v, while the other threads spin. On a 2-core AMX
 // Xeon that serial part was about 2 ms of a 14 ms bfloat16 decode step at 16 rows, time in which no
 // weight is read. Where every matmul is one of our kernels on prepacked weights (bfloat16 in AMX
-// tiles, float32 in panels) with no bias, the step instead runs in one region: the buffers are
+// tiles or pair groups, float32 in panels), the step instead runs in one region: the buffers are
 // allocated and every input is checked once, before it, and each thread walks the layers calling
 // the kernels by pointer, taking its share of each and meeting the others at a barrier. The kernels
 // and their splits are the op path's, so the output is the same to the bit.
@@ -144,6 +144,7 @@ struct Region {
   int64_t rows, padded_rows, hidden, q_size, kv_size, inter, head_dim, num_heads, num_kv_heads, rotary_dim;
   std::vector<const void*> packed;  // 4 per layer: AMX tiles, pair groups or panels
   std::vector<int64_t> blocks;      // 4 per layer: the tiles' k-blocks, the groups' or the panels' count
+  std::vector<const void*> biases;  // 4 per layer, null where none
   std::vector<const void*> norms;
   std::vector<at::Tensor> key_caches, value_caches;
 };
@@ -189,14 +190,17 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
   // AMX tiles read x 16 rows at a time: past 16 the inputs are padded to whole tiles with zero rows.
   const int64_t padded_rows = path == kAmx && rows > 16 ? (rows + 15) / 16 * 16 : rows;
   Region r{path, rows, padded_rows, hidden_size, num_heads * head_dim, num_kv_heads * head_dim, weights[2].size(0) / 2,
-           head_dim, num_heads, num_kv_heads, rotary_dim, {}, {}, {}, {}, {}};
+           head_dim, num_heads, num_kv_heads, rotary_dim, {}, {}, {}, {}, {}, {}};
   const int64_t ins[4] = {hidden_size, r.q_size, hidden_size, r.inter};
   const int64_t outs[4] = {r.q_size + 2 * r.kv_size, hidden_size, 2 * r.inter, hidden_size};
   for (int64_t i = 0; i < 4 * layers; ++i) {
     const std::optional<at::Tensor> t = packed.get(i);
-    if (paths[i] != path || biases.get(i).has_value() || !t.has_value() || weights[i].dim() != 2 ||
-        weights[i].size(0) != outs[i % 4])
+    const std::optional<at::Tensor> bias = biases.get(i);
+    if (paths[i] != path || !t.has_value() || weights[i].dim() != 2 || weights[i].size(0) != outs[i % 4])
       return std::nullopt;
+    if (bias.has_value() && (bias->scalar_type() != dtype || !bias->is_contiguous() || bias->numel() != outs[i % 4]))
+      return std::nullopt;
+    r.biases.push_back(bias.has_value() ? bias->data_ptr() : nullptr);
     const bool fits = path == kAmx     ? tiles_fit(*t, ins[i % 4], outs[i % 4])
                       : path == kPairs ? pairs_fit(*t, ins[i % 4], outs[i % 4])
                                        : panels_fit(*t, ins[i % 4], outs[i % 4]);
@@ -271,6 +275,7 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
   const float feps = static_cast<float>(eps);
   const int64_t elem = static_cast<int64_t>(sizeof(T)), row_bytes = r.head_dim * elem;
   const T* const* norms = reinterpret_cast<const T* const*>(r.norms.data());
+  // x Wᵀ of weight w into out, then its bias (both ops of the op path add it after the matmul).
   auto matmul = [&](int64_t w, const T* in, int64_t k, T* out, int64_t n) {
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (r.path == kAmx)
@@ -282,6 +287,9 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
     } else {
       pdserve_parts::panel_linear(in, k, rows, static_cast<const float*>(r.packed[w]), r.blocks[w], k, out, n);
     }
+  };
+  auto add_bias = [&](int64_t w, T* out, int64_t n) {
+    pdserve_parts::add_bias<T>(out, n, static_cast<const T*>(r.biases[w]), rows, n);
   };
   const int threads = static_cast<int>(std::max(1, at::get_num_threads()));
   pdserve_parallel::TeamBarrier barrier;
@@ -311,6 +319,7 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
           pdserve_parts::rms_norm<T>(xp, hidden_size, res, res_row, norms[2 * l], nullptr, 0, rows, hidden_size, feps);
       });
       op(linear, [&] { matmul(w, xp, hidden_size, qkvp, qkv_size); });
+      if (r.biases[w] != nullptr) op("pdserve_cpu::linear_bias", [&] { add_bias(w, qkvp, qkv_size); });
       op("pdserve_cpu::rotary_embedding", [&] {
         pdserve_parts::rotary<T>(pos, qkvp, qkv_size, r.head_dim, r.num_heads, qkvp + r.q_size, qkv_size, r.head_dim,
                                  r.num_kv_heads, cosp, sinp, cos.size(1), r.rotary_dim, rows);
@@ -326,14 +335,17 @@ at::Tensor run_region(const Region& r, const at::Tensor& hidden, const at::Tenso
                                            attended);
       });
       op(linear, [&] { matmul(w + 1, attp, r.q_size, xp, hidden_size); });
+      if (r.biases[w + 1] != nullptr) op("pdserve_cpu::linear_bias", [&] { add_bias(w + 1, xp, hidden_size); });
       op("pdserve_cpu::fused_add_rms_norm", [&] {
         pdserve_parts::rms_norm<T>(xp, hidden_size, res, res_row, norms[2 * l + 1], nullptr, 0, rows, hidden_size,
                                    feps);
       });
       op(linear, [&] { matmul(w + 2, xp, hidden_size, gup, 2 * r.inter); });
+      if (r.biases[w + 2] != nullptr) op("pdserve_cpu::linear_bias", [&] { add_bias(w + 2, gup, 2 * r.inter); });
       op("pdserve_cpu::silu_and_mul",
          [&] { pdserve_parts::silu_mul<T>(gup, 2 * r.inter, actp, r.inter, rows, r.inter); });
       op(linear, [&] { matmul(w + 3, actp, r.inter, xp, hidden_size); });
+      if (r.biases[w + 3] != nullptr) op("pdserve_cpu::linear_bias", [&] { add_bias(w + 3, xp, hidden_size); });
     }
     op("pdserve_cpu::fused_add_rms_norm", [&] {
       pdserve_parts::rms_norm<T>(xp, hidden_size, res, res_row, norms[2 * layers], nullptr, 0, rows, hidden_size,

@@ -283,10 +283,23 @@ void pdserve_parts::rotary(const int64_t* positions, T* q, int64_t q_tok, int64_
                  tokens);
 }
 
+// y += bias row by row, in float32 and rounded once, as torch's add of two tensors of the dtype.
+template <typename T>
+void pdserve_parts::add_bias(T* y, int64_t y_row, const T* bias, int64_t rows, int64_t n) {
+  pdserve_parallel::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = y + t * y_row;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) store(row, i, widen(row[i]) + widen(bias[i]));
+    }
+  });
+}
+
 #define PDSERVE_PARTS(T)                                                                                      \
   template void pdserve_parts::rms_norm<T>(T*, int64_t, T*, int64_t, const T*, T*, int64_t, int64_t, int64_t,  \
                                            float);                                                            \
   template void pdserve_parts::silu_mul<T>(const T*, int64_t, T*, int64_t, int64_t, int64_t);                  \
+  template void pdserve_parts::add_bias<T>(T*, int64_t, const T*, int64_t, int64_t);                             \
   template void pdserve_parts::rotary<T>(const int64_t*, T*, int64_t, int64_t, int64_t, T*, int64_t, int64_t,  \
                                          int64_t, const float*, const float*, int64_t, int64_t, int64_t);
 PDSERVE_PARTS(float)

@@ -22,6 +22,10 @@ void rms_norm(T* x, int64_t x_row, T* residual, int64_t r_row, const T* weight, 
 template <typename T>
 void silu_mul(const T* gate_up, int64_t in_row, T* out, int64_t out_row, int64_t rows, int64_t inter);
 
+// y += bias for `rows` rows of n (row stride y_row), each sum rounded to T once.
+template <typename T>
+void add_bias(T* y, int64_t y_row, const T* bias, int64_t rows, int64_t n);
+
 // Rotary embedding of q and k in place (rotate-half), positions within the cos/sin tables.
 template <typename T>
 void rotary(const int64_t* positions, T* q, int64_t q_tok, int64_t q_head, int64_t q_heads, T* k, int64_t k_tok,
