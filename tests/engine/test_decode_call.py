@@ -322,6 +322,19 @@ def generate_rows(llm: LLM, rows: tuple[int, ...], seed: int) -> None:
         llm.generate(prompts(count, seed=seed + i), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
 
 
+def assert_every_step_in_one_region(llm: LLM, monkeypatch, seed: int) -> None:
+    """Decode steps of 1, 5 and 20 rows, the packing's path for one row too: each ran in one region,
+    with the op-by-op loop's bits."""
+    try:
+        set_paths(llm, "packed")
+        seen = RegionAndOps(monkeypatch)
+        generate_rows(llm, (1, 5, 20), seed=seed)
+    finally:
+        llm.shutdown()
+    assert seen.mismatches == []
+    assert {1, 5, 20} <= set(seen.region_rows) and len(seen.region_rows) == seen.steps
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama3_rope"])
 @pytest.mark.parametrize("packing", ["amx", "pairs"])
 def test_a_bfloat16_step_on_tiles_or_pairs_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, name,
@@ -334,30 +347,16 @@ def test_a_bfloat16_step_on_tiles_or_pairs_runs_in_one_region_with_the_op_by_op_
     if packing == "pairs" and not layers.pair_groups_supported():
         pytest.skip("no AVX512-BF16 here: bfloat16 weights cannot go in pair groups")
     monkeypatch.setenv("PDSERVE_BF16_PACKING", packing)
-    llm = LLM(model_dir(name), dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32)
-    try:
-        set_paths(llm, "packed")
-        seen = RegionAndOps(monkeypatch)
-        generate_rows(llm, (1, 5, 20), seed=11)
-    finally:
-        llm.shutdown()
-    assert seen.mismatches == []
-    assert {1, 5, 20} <= set(seen.region_rows) and len(seen.region_rows) == seen.steps
+    assert_every_step_in_one_region(LLM(model_dir(name), dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32),
+                                    monkeypatch, seed=11)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_a_float32_step_on_panels_runs_in_one_region_with_the_op_by_op_bits(model_dir, monkeypatch, float_packing,
                                                                             name):
     float_packing("panels")
-    llm = LLM(model_dir(name), dtype="float32", num_kv_blocks=256, max_num_seqs=32)
-    try:
-        set_paths(llm, "packed")  # one row on the panels too
-        seen = RegionAndOps(monkeypatch)
-        generate_rows(llm, (1, 5, 20), seed=12)
-    finally:
-        llm.shutdown()
-    assert seen.mismatches == []
-    assert {1, 5, 20} <= set(seen.region_rows) and len(seen.region_rows) == seen.steps
+    assert_every_step_in_one_region(LLM(model_dir(name), dtype="float32", num_kv_blocks=256, max_num_seqs=32),
+                                    monkeypatch, seed=12)
 
 
 def test_steps_the_region_cannot_run_go_op_by_op(model_dir, monkeypatch, float_packing):
