@@ -106,8 +106,9 @@ class DecodeCall:
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata, paths: list[int], one_region: bool | None = None) -> torch.Tensor:
         """The layers' output. `one_region`: whether the C++ loop may run the step in one OpenMP
-        region where every matmul is on AMX tiles (its output is the op-by-op loop's to the bit);
-        by default unless PDSERVE_DECODE_REGION=0."""
+        region where every matmul is one of our kernels on prepacked weights (bfloat16 AMX tiles or
+        pair groups, float32 panels); its output is the op-by-op loop's to the bit. By default
+        unless PDSERVE_DECODE_REGION=0."""
         if one_region is None:
             one_region = region_enabled()
         return torch.ops.pdserve_cpu.decode_layers(
