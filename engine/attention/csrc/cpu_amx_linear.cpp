@@ -486,15 +486,13 @@ at::Tensor tiled_rows(const char* op, const at::Tensor& x, const at::Tensor& til
                       int64_t out_features) {
   TORCH_CHECK(amx_linear_available(), op, ": this build or CPU has no AMX (or the OS refused its state)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == element && tiles.is_contiguous() &&
-                  tiles.size(2) == kGroup && tiles.size(3) == kRows && tiles.size(4) == kK,
-              op, ": the weight must be in AMX tiles, a contiguous ", element, " [groups, k_blocks, 4, 16, 32]");
-  const int64_t groups = tiles.size(0), k_blocks = tiles.size(1);
   const int64_t m_size = x.size(0), k_size = x.size(1);
-  TORCH_CHECK(k_size <= k_blocks * kK && k_size > (k_blocks - 1) * kK, op, ": x has ", k_size,
-              " columns, the tiles hold ", k_blocks * kK);
-  TORCH_CHECK(out_features <= groups * kGroup * kBlock && out_features > (groups - 1) * kGroup * kBlock, op, ": ",
-              groups, " groups of tiles cannot hold ", out_features, " output features");
+  const pdserve_parts::Fit fit = pdserve_parts::amx_tiles_fit(tiles, element, k_size, out_features);
+  TORCH_CHECK(fit.layout, op, ": the weight must be in AMX tiles, a contiguous ", element,
+              " [groups, k_blocks, 4, 16, 32]");
+  const int64_t groups = tiles.size(0), k_blocks = tiles.size(1);
+  TORCH_CHECK(fit.inputs, op, ": x has ", k_size, " columns, the tiles hold ", k_blocks * kK);
+  TORCH_CHECK(fit.outputs, op, ": ", groups, " groups of tiles cannot hold ", out_features, " output features");
   const int64_t rows_padded = m_size <= kRows ? m_size : (m_size + kRows - 1) / kRows * kRows;
   if (rows_padded == m_size && k_blocks * kK == k_size && x.stride(1) == 1) return x;
   at::Tensor xp = at::zeros({rows_padded, k_blocks * kK}, x.options());
@@ -534,6 +532,18 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& tiles, const a
 }  // namespace
 
 bool pdserve_parts::amx_ready() { return amx_linear_available(); }
+
+pdserve_parts::Fit pdserve_parts::amx_tiles_fit(const at::Tensor& tiles, at::ScalarType element, int64_t k_size,
+                                                int64_t out_features) {
+  Fit fit;
+  fit.layout = tiles.dim() == 5 && tiles.scalar_type() == element && tiles.is_contiguous() &&
+               tiles.size(2) == kGroup && tiles.size(3) == kRows && tiles.size(4) == kK;
+  if (!fit.layout) return fit;
+  const int64_t groups = tiles.size(0), k_blocks = tiles.size(1);
+  fit.inputs = k_size <= k_blocks * kK && k_size > (k_blocks - 1) * kK;
+  fit.outputs = out_features <= groups * kGroup * kBlock && out_features > (groups - 1) * kGroup * kBlock;
+  return fit;
+}
 
 void pdserve_parts::amx_linear(const uint16_t* x, int64_t lda, int64_t rows, const uint16_t* tiles, int64_t k_blocks,
                                uint16_t* y, int64_t out_features) {

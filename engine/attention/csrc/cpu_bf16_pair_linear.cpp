@@ -175,14 +175,12 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
 at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& pairs, int64_t out_features) {
   TORCH_CHECK(PDSERVE_PAIR_PANELS, "pair_linear: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "pair_linear: x must be a 2-D bfloat16 tensor");
-  TORCH_CHECK(pairs.dim() == 4 && pairs.is_contiguous() && pairs.scalar_type() == at::kBFloat16 &&
-                  pairs.size(2) == kGroup * kPanel && pairs.size(3) == 2,
-              "pair_linear: the weight must be contiguous bfloat16 pairs [groups, ceil(in / 2), 48, 2]");
-  const int64_t count = pairs.size(0), q_size = pairs.size(1), m_size = x.size(0), k_size = x.size(1);
-  TORCH_CHECK(k_size == 2 * q_size || k_size + 1 == 2 * q_size, "pair_linear: x has ", k_size,
-              " columns, the weight ", 2 * q_size);
-  TORCH_CHECK(out_features > (count - 1) * kGroup * kPanel && out_features <= count * kGroup * kPanel,
-              "pair_linear: ", count, " groups cannot hold ", out_features, " output features");
+  const int64_t count = pairs.dim() == 4 ? pairs.size(0) : 0, q_size = pairs.dim() == 4 ? pairs.size(1) : 0;
+  const int64_t m_size = x.size(0), k_size = x.size(1);
+  const pdserve_parts::Fit fit = pdserve_parts::pair_groups_fit(pairs, k_size, out_features);
+  TORCH_CHECK(fit.layout, "pair_linear: the weight must be contiguous bfloat16 pairs [groups, ceil(in / 2), 48, 2]");
+  TORCH_CHECK(fit.inputs, "pair_linear: x has ", k_size, " columns, the weight ", 2 * q_size);
+  TORCH_CHECK(fit.outputs, "pair_linear: ", count, " groups cannot hold ", out_features, " output features");
   at::Tensor out = at::empty({m_size, out_features}, x.options());
   if (m_size == 0 || out_features == 0) return out;
   if (q_size == 0) return out.zero_();
@@ -206,6 +204,17 @@ bool pair_linear_available() { return PDSERVE_PAIR_PANELS; }
 }  // namespace
 
 bool pdserve_parts::pairs_ready() { return pair_linear_available(); }
+
+pdserve_parts::Fit pdserve_parts::pair_groups_fit(const at::Tensor& pairs, int64_t k_size, int64_t out_features) {
+  Fit fit;
+  fit.layout = pairs.dim() == 4 && pairs.is_contiguous() && pairs.scalar_type() == at::kBFloat16 &&
+               pairs.size(2) == kGroup * kPanel && pairs.size(3) == 2;
+  if (!fit.layout) return fit;
+  const int64_t count = pairs.size(0), q_size = pairs.size(1);
+  fit.inputs = k_size == 2 * q_size || k_size + 1 == 2 * q_size;
+  fit.outputs = out_features > (count - 1) * kGroup * kPanel && out_features <= count * kGroup * kPanel;
+  return fit;
+}
 
 void pdserve_parts::pair_linear(const at::BFloat16* x, int64_t ldx, int64_t rows, const at::BFloat16* pairs,
                                 int64_t groups, int64_t k_size, at::BFloat16* y, int64_t out_features) {

@@ -149,22 +149,19 @@ struct Region {
   std::vector<at::Tensor> key_caches, value_caches;
 };
 
-bool tiles_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
-  return t.dim() == 5 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 4 &&
-         t.size(3) == 16 && t.size(4) == 32 && t.size(1) * 32 == in_features && out_features <= t.size(0) * 64 &&
-         out_features > (t.size(0) - 1) * 64;
-}
-
-bool pairs_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
-  // x is read a pair of inputs at a time: an odd width would need a padded copy.
-  return t.dim() == 4 && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.size(2) == 48 &&
-         t.size(3) == 2 && in_features % 2 == 0 && t.size(1) * 2 == in_features && out_features <= t.size(0) * 48 &&
-         out_features > (t.size(0) - 1) * 48;
-}
-
-bool panels_fit(const at::Tensor& t, int64_t in_features, int64_t out_features) {
-  return t.dim() == 3 && t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(2) == 16 &&
-         t.size(1) == in_features && out_features <= t.size(0) * 16 && out_features > (t.size(0) - 1) * 16;
+// Whether packed weight t serves the region's matmul of in_features inputs and out_features outputs:
+// as its op would take it, and with no padded copy of x, which the region does not make (whole
+// k-blocks of 32 for AMX tiles, whole pairs for pair groups).
+bool packed_fits(int64_t path, const at::Tensor& t, int64_t in_features, int64_t out_features) {
+  switch (path) {
+    case kAmx:
+      return pdserve_parts::amx_tiles_fit(t, at::kBFloat16, in_features, out_features).all() &&
+             t.size(1) * 32 == in_features;
+    case kPairs:
+      return pdserve_parts::pair_groups_fit(t, in_features, out_features).all() && in_features % 2 == 0;
+    default:
+      return t.scalar_type() == at::kFloat && pdserve_parts::panels_fit(t, in_features, out_features).all();
+  }
 }
 
 // The region's view of the inputs, or nothing where the step must go op by op (which then reports
@@ -201,10 +198,7 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
     if (bias.has_value() && (bias->scalar_type() != dtype || !bias->is_contiguous() || bias->numel() != outs[i % 4]))
       return std::nullopt;
     r.biases.push_back(bias.has_value() ? bias->data_ptr() : nullptr);
-    const bool fits = path == kAmx     ? tiles_fit(*t, ins[i % 4], outs[i % 4])
-                      : path == kPairs ? pairs_fit(*t, ins[i % 4], outs[i % 4])
-                                       : panels_fit(*t, ins[i % 4], outs[i % 4]);
-    if (!fits) return std::nullopt;
+    if (!packed_fits(path, *t, ins[i % 4], outs[i % 4])) return std::nullopt;
     r.packed.push_back(t->data_ptr());
     r.blocks.push_back(t->size(path == kAmx ? 1 : 0));
   }
@@ -216,10 +210,7 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
   if (positions.dim() != 1 || positions.scalar_type() != at::kLong || !positions.is_contiguous() ||
       positions.size(0) != rows)
     return std::nullopt;
-  if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
-      !sin.is_contiguous() || cos.sizes() != sin.sizes() || cos.dim() != 2 || cos.size(1) != rotary_dim ||
-      rotary_dim % 2 != 0 || rotary_dim > head_dim)
-    return std::nullopt;
+  if (!pdserve_parts::rotary_fit(cos, sin, rotary_dim, head_dim).all()) return std::nullopt;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const auto [min_pos, max_pos] = std::minmax_element(pos, pos + rows);
   if (*min_pos < 0 || *max_pos >= cos.size(0)) return std::nullopt;
@@ -234,7 +225,8 @@ std::optional<Region> region_for(const at::Tensor& hidden, const at::Tensor& pos
       slot_mapping.size(0) != rows)
     return std::nullopt;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  if (*std::max_element(slots, slots + rows) >= c0.size(1) * c0.size(2)) return std::nullopt;
+  if (*std::max_element(slots, slots + rows) >= pdserve_parts::cache_slots(r.key_caches[0], num_kv_heads, head_dim))
+    return std::nullopt;
   if (block_tables.scalar_type() != at::kInt || seq_lens.scalar_type() != at::kInt || !block_tables.is_contiguous() ||
       !seq_lens.is_contiguous() || block_tables.dim() != 2 || block_tables.size(0) != rows || seq_lens.dim() != 1 ||
       seq_lens.size(0) != rows)

@@ -244,10 +244,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
               "q and k must be [tokens, heads, head_dim] with contiguous heads");
   TORCH_CHECK(q.size(0) == positions.size(0) && k.size(0) == positions.size(0), "one position per token");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.size(2) == k.size(2), "q and k must share dtype and head_dim");
-  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= q.size(2), "rotary_dim must be even and at most head_dim");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == rotary_dim,
-              "cos and sin must be contiguous float32 [positions, rotary_dim] tables");
+  const pdserve_parts::RotaryFit fit = pdserve_parts::rotary_fit(cos, sin, rotary_dim, q.size(2));
+  TORCH_CHECK(fit.dims, "rotary_dim must be even and at most head_dim");
+  TORCH_CHECK(fit.tables, "cos and sin must be contiguous float32 [positions, rotary_dim] tables");
   if (positions.numel() == 0) return;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = *std::max_element(pos, pos + positions.numel());
@@ -307,6 +306,15 @@ PDSERVE_PARTS(at::BFloat16)
 #undef PDSERVE_PARTS
 
 // Same namespace as the decode attention, one library: this file adds to it.
+pdserve_parts::RotaryFit pdserve_parts::rotary_fit(const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim,
+                                                   int64_t head_dim) {
+  RotaryFit fit;
+  fit.dims = rotary_dim % 2 == 0 && rotary_dim <= head_dim;
+  fit.tables = cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+               sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == rotary_dim;
+  return fit;
+}
+
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");

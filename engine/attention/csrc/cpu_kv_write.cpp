@@ -67,10 +67,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
   if (tokens == 0) return;
   const int64_t elem = key.element_size();
   const int64_t row_bytes = head_dim * elem;
-  TORCH_CHECK(key_cache.numel() % (heads * head_dim) == 0 &&
-                  key_cache.size(key_cache.dim() - 1) * key_cache.size(key_cache.dim() - 2) == heads * head_dim,
-              "the caches' last two dimensions must be [kv_heads, head_dim] of the keys");
-  const int64_t num_slots = key_cache.numel() / (heads * head_dim);
+  const int64_t num_slots = pdserve_parts::cache_slots(key_cache, heads, head_dim);
+  TORCH_CHECK(num_slots >= 0, "the caches' last two dimensions must be [kv_heads, head_dim] of the keys");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t last = *std::max_element(slots, slots + tokens);
   TORCH_CHECK(last < num_slots, "slot ", last, " is outside the KV cache of ", num_slots, " slots");
@@ -82,6 +80,12 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
 }
 
 }  // namespace
+
+int64_t pdserve_parts::cache_slots(const at::Tensor& cache, int64_t heads, int64_t head_dim) {
+  const int64_t row = heads * head_dim;
+  if (cache.dim() < 2 || row <= 0 || cache.size(cache.dim() - 1) * cache.size(cache.dim() - 2) != row) return -1;
+  return cache.numel() / row;
+}
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");

@@ -116,13 +116,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
   const auto dtype = panels.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16),
               "panel_linear: x must be a 2-D tensor of the panels' dtype (float32 or bfloat16)");
-  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel,
-              "panel_linear: panels must be a contiguous tensor [panels, in_features, 16]");
-  TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x has ", x.size(1), " columns, the weight ",
-              panels.size(1));
+  const pdserve_parts::Fit fit = pdserve_parts::panels_fit(panels, x.size(1), out_features);
+  TORCH_CHECK(fit.layout, "panel_linear: panels must be a contiguous tensor [panels, in_features, 16]");
+  TORCH_CHECK(fit.inputs, "panel_linear: x has ", x.size(1), " columns, the weight ", panels.size(1));
   const int64_t count = panels.size(0);
-  TORCH_CHECK(out_features > (count - 1) * kPanel && out_features <= count * kPanel, "panel_linear: ", count,
-              " panels cannot hold ", out_features, " output features");
+  TORCH_CHECK(fit.outputs, "panel_linear: ", count, " panels cannot hold ", out_features, " output features");
   const int64_t m_size = x.size(0), k_size = x.size(1), n_size = out_features;
   // Rows of k-contiguous floats: .to keeps a transposed x transposed, so the widened copy is made contiguous.
   const at::Tensor xc =
@@ -142,6 +140,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
 }
 
 }  // namespace
+
+pdserve_parts::Fit pdserve_parts::panels_fit(const at::Tensor& panels, int64_t k_size, int64_t out_features) {
+  Fit fit;
+  fit.layout = panels.dim() == 3 && panels.is_contiguous() && panels.size(2) == kPanel;
+  if (!fit.layout) return fit;
+  const int64_t count = panels.size(0);
+  fit.inputs = k_size == panels.size(1);
+  fit.outputs = out_features > (count - 1) * kPanel && out_features <= count * kPanel;
+  return fit;
+}
 
 void pdserve_parts::panel_linear(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t count,
                                  int64_t k_size, float* y, int64_t out_features) {

@@ -2,7 +2,9 @@
 // region (cpu_decode_step.cpp). They check nothing: that loop checks its inputs once, before the
 // region, since an exception thrown inside one ends the process. Each splits its work with
 // pdserve_parallel::parallel_for, so inside a team every member calls it and it ends at a barrier.
-// The ops of the other files are these same functions behind their checks.
+// The ops of the other files are these same functions behind their checks. What both check is
+// one predicate each, declared here, so that the op and the region cannot come to disagree on
+// what a packed weight or a table must be.
 
 #pragma once
 
@@ -11,6 +13,35 @@
 #include <cstdint>
 
 namespace pdserve_parts {
+
+// How a packed weight fits a matmul of k_size inputs and out_features outputs, part by part so that an
+// op can say which part failed. inputs and outputs are false where the layout is.
+struct Fit {
+  bool layout = false;   // the packing's rank, dtype, inner sizes and contiguity
+  bool inputs = false;   // it holds k_size inputs (the last k-block or pair partly used)
+  bool outputs = false;  // it holds out_features outputs (the last group or panel partly used)
+  bool all() const { return layout && inputs && outputs; }
+};
+
+// tiles in AMX tiles of `element` (bfloat16, or uint8 for int8 weights): [groups, k_blocks, 4, 16, 32].
+Fit amx_tiles_fit(const at::Tensor& tiles, at::ScalarType element, int64_t k_size, int64_t out_features);
+
+// pairs in bfloat16 pair groups: [groups, ceil(k / 2), 48, 2].
+Fit pair_groups_fit(const at::Tensor& pairs, int64_t k_size, int64_t out_features);
+
+// panels in panels of 16 outputs: [panels, k, 16], of float32 or bfloat16.
+Fit panels_fit(const at::Tensor& panels, int64_t k_size, int64_t out_features);
+
+// How rotary tables fit heads of head_dim rotated over their first rotary_dim dims.
+struct RotaryFit {
+  bool dims = false;    // rotary_dim even and at most head_dim
+  bool tables = false;  // cos and sin contiguous float32 [positions, rotary_dim]
+  bool all() const { return dims && tables; }
+};
+RotaryFit rotary_fit(const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, int64_t head_dim);
+
+// The slots of a KV cache whose last two dimensions are [heads, head_dim], or -1 where they are not.
+int64_t cache_slots(const at::Tensor& cache, int64_t heads, int64_t head_dim);
 
 // x <- weight * norm(x + residual), residual <- x + residual; without a residual (nullptr),
 // out <- weight * norm(x). Row strides in elements.
