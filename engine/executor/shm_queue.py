@@ -46,16 +46,16 @@ import pickle
 import platform
 import struct
 import sys
-import tempfile
 import threading
 import time
-import uuid
 import weakref
 from multiprocessing import shared_memory
 from typing import Any, Callable
 
 import msgspec
 import zmq
+
+from pdserve.engine import ipc_files
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -440,7 +440,7 @@ class ShmMessageQueue:
         res = _Resources()
         res.unlink = True
         try:
-            shm = shared_memory.SharedMemory(name=f"pdsq_{uuid.uuid4().hex[:16]}", create=True, size=layout.size)
+            shm = shared_memory.SharedMemory(name=ipc_files.segment_name("queue"), create=True, size=layout.size)
             res.mapping, res.buf = shm, shm.buf
             _CONTROL.pack_into(shm.buf, 0, _MAGIC, _VERSION, n_readers, max_chunks, 0, max_chunk_bytes)
             shm.buf[_WAKES_OFF] = _FUTEX is not None
@@ -820,7 +820,7 @@ def _bind(sock: zmq.Socket, res: _Resources) -> str:
     # ipc is the faster transport for the large messages that come this way; tcp on loopback
     # where ipc is missing or the socket path would be too long for sockaddr_un.
     if zmq.has("ipc"):
-        path = os.path.join(tempfile.gettempdir(), f"pdsq-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+        path = ipc_files.socket_path("queue")
         if len(path) < 100:
             address = f"ipc://{path}"
             sock.bind(address)

@@ -15,10 +15,8 @@ import itertools
 import logging
 import multiprocessing
 import os
-import tempfile
 import threading
 import time
-import uuid
 from collections import deque
 from multiprocessing.connection import wait as wait_for_processes
 from typing import Any
@@ -27,6 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.engine import ipc_files
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core.engine_core_proc import ENGINE_CORE_DEAD, run_engine_core
 from pdserve.engine.core.liveness import HEARTBEAT_MARKER, CoreHeartbeat, CoreLiveness, RankLiveness
@@ -47,7 +46,7 @@ class EngineDeadError(RuntimeError):
 
 
 def _ipc_address(kind: str) -> str:
-    return f"ipc://{tempfile.gettempdir()}/pdserve-{kind}-{uuid.uuid4().hex[:12]}"
+    return f"ipc://{ipc_files.socket_path(kind)}"
 
 
 def _remove_ipc_file(address: str) -> None:
