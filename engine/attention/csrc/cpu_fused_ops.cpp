@@ -305,7 +305,6 @@ PDSERVE_PARTS(float)
 PDSERVE_PARTS(at::BFloat16)
 #undef PDSERVE_PARTS
 
-// Same namespace as the decode attention, one library: this file adds to it.
 pdserve_parts::RotaryFit pdserve_parts::rotary_fit(const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim,
                                                    int64_t head_dim) {
   RotaryFit fit;
@@ -315,6 +314,7 @@ pdserve_parts::RotaryFit pdserve_parts::rotary_fit(const at::Tensor& cos, const 
   return fit;
 }
 
+// Same namespace as the decode attention, one library: this file adds to it.
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
