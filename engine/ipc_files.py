@@ -57,6 +57,17 @@ def segment_name(kind: str) -> str:
     return f"pdsq_{uuid.uuid4().hex[:16]}"
 
 
+def remove_socket(address: str) -> None:
+    """Delete the file an ipc:// address (or a bare socket path) left: closing a socket does not.
+    Nothing for a tcp:// address or a file already gone."""
+    if address.startswith("tcp://"):
+        return
+    try:
+        os.unlink(address.removeprefix("ipc://"))
+    except OSError:
+        pass
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+from pdserve.engine import ipc_files
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cores import usable_cores
 from pdserve.engine.executor.abstract import Executor
@@ -316,11 +317,7 @@ def _remove_orphaned_queue(handle: QueueHandle) -> None:
         from multiprocessing import resource_tracker
 
         resource_tracker.unregister("/" + handle.shm_name, "shared_memory")
-    if handle.zmq_address.startswith("ipc://"):
-        try:
-            os.unlink(handle.zmq_address[len("ipc://"):])
-        except OSError:
-            pass
+    ipc_files.remove_socket(handle.zmq_address)
 
 
 class MultiprocExecutor(Executor):

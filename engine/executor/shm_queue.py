@@ -335,10 +335,7 @@ class _Resources:
                 except BufferError:
                     pass
         if self.ipc_path is not None:
-            try:
-                os.unlink(self.ipc_path)
-            except OSError:
-                pass
+            ipc_files.remove_socket(self.ipc_path)
             self.ipc_path = None
 
 

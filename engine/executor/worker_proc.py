@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdserve.engine import ipc_files
+
 SHUTDOWN = "__shutdown__"
 
 REPLY_OK = 0
@@ -219,12 +221,7 @@ class WorkerProc:
             # The executor that owned the broadcast queue's socket file cannot remove it any more.
             # Its shared memory is left to the resource tracker, which unlinks what a dead process
             # registered once every process sharing the tracker has exited.
-            address = self.broadcast_handle.zmq_address
-            if address.startswith("ipc://"):
-                try:
-                    os.unlink(address[len("ipc://"):])
-                except OSError:
-                    pass
+            ipc_files.remove_socket(self.broadcast_handle.zmq_address)
         if self.worker is not None:
             try:
                 self.worker.shutdown()

@@ -49,15 +49,6 @@ def _ipc_address(kind: str) -> str:
     return f"ipc://{ipc_files.socket_path(kind)}"
 
 
-def _remove_ipc_file(address: str) -> None:
-    """Delete the socket file a bound ipc:// address left: closing the socket does not, and every
-    engine start would leave its files in the temp folder for good."""
-    try:
-        os.unlink(address[len("ipc://"):])
-    except OSError:
-        pass
-
-
 async def next_output(queue: "asyncio.Queue[EngineCoreOutputs | Exception]") -> EngineCoreOutputs:
     """The next outputs from a client's queue. An exception put there (the engine died) is raised,
     and left in place so that every later caller sees it too."""
@@ -111,7 +102,7 @@ class MPClientBase:
             raise
         finally:
             handshake.close(linger=0)
-            _remove_ipc_file(handshake_address)
+            ipc_files.remove_socket(handshake_address)
         self._watcher = threading.Thread(target=self._watch_process, daemon=True, name="engine-watch")
         self._watcher.start()
 
@@ -201,7 +192,7 @@ class MPClientBase:
         self._parent_pipe.close()
         self._sync_ctx.destroy(linger=0)
         for address in (self.input_address, self.output_address):
-            _remove_ipc_file(address)
+            ipc_files.remove_socket(address)
 
 
 class SyncMPClient(MPClientBase, EngineCoreClient):

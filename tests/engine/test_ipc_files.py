@@ -120,3 +120,17 @@ def test_names_carry_their_owner(monkeypatch, tmp_path):
     assert name.startswith(f"pdserve-input-{ipc_files.pid_namespace()}-{os.getpid()}-") and name.endswith(".sock")
     assert ipc_files.socket_path("input") != path
     assert len(name) < 60  # with the usual temp folder, well inside sockaddr_un's 108 bytes
+
+
+def test_remove_socket_takes_an_ipc_address_or_a_path_and_leaves_tcp_alone(short_dir):
+    by_address, by_path = str(short_dir / "a.sock"), str(short_dir / "b.sock")
+    sockets = [bound_socket(by_address), bound_socket(by_path)]
+    try:
+        ipc_files.remove_socket(f"ipc://{by_address}")
+        ipc_files.remove_socket(by_path)
+        assert not os.path.exists(by_address) and not os.path.exists(by_path)
+        ipc_files.remove_socket(by_path)  # already gone: no error
+        ipc_files.remove_socket("tcp://127.0.0.1:5555")
+    finally:
+        for s in sockets:
+            s.close()
