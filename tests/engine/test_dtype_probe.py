@@ -32,8 +32,28 @@ def test_the_verdict_is_bfloat16_faster_at_every_row_count_by_the_margin(monkeyp
     assert torch.equal(torch.get_rng_state(), rng)  # a caller's seeded draws are left alone
     assert set(verdict.seconds) == {str(r) for r in dtype_probe.ROWS}
     assert all(f > 0 and b > 0 for f, b in verdict.seconds.values())
-    assert verdict.bf16_faster == all(f > b * dtype_probe.MARGIN for f, b in verdict.seconds.values())
+    assert set(verdict.ratios) == set(verdict.seconds) and all(r > 0 for r in verdict.ratios.values())
+    assert verdict.bf16_faster == all(r > dtype_probe.MARGIN for r in verdict.ratios.values())
     assert "1 rows" in verdict.why() and "256 rows" in verdict.why()
+
+
+def test_a_machine_slowing_down_while_it_times_does_not_decide_the_verdict(monkeypatch):
+    """On a shared machine the rate moves while the probe runs (a server's other process starting):
+    the dtypes are timed in alternation and compared round by round, so a slowdown that would have
+    fallen on bfloat16's passes alone does not turn a 1.5x win into a loss."""
+    passes = []
+
+    def one_pass_s(fns, xs):  # float32 passes cost 1.5x bfloat16's; every pass 15% slower than the one before
+        dtype = next(iter(xs.values())).dtype
+        passes.append(dtype)
+        return (1.5 if dtype == torch.float32 else 1.0) * 1.15 ** len(passes)
+
+    monkeypatch.setattr(dtype_probe, "_one_pass_s", one_pass_s)
+    contenders = [([(64, None)], torch.float32), ([(64, None)], torch.bfloat16)]
+    seconds, ratio = dtype_probe._alternated_s(contenders, rows=16)
+    assert 1.5 / 1.15 <= ratio <= 1.5 * 1.15 and ratio > dtype_probe.MARGIN
+    # (Timed one dtype after the other, bfloat16's passes would have come 1.15^9 = 3.5x later: 0.43x.)
+    assert passes.count(torch.float32) == passes.count(torch.bfloat16) == dtype_probe.ROUNDS + 1
 
 
 def test_the_verdict_is_measured_once_and_read_back_after(cache, monkeypatch):
