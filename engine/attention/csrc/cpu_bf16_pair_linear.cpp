@@ -64,8 +64,9 @@ constexpr int64_t steps_per_pass(int64_t rows) { return rows <= 64 ? 64 : 128; }
 // Sums of rows [0, MR) of x (bf16 pairs as 32-bit words, ldx words a row) times one group over pairs
 // [q0, q1), added to `sums` (MR rows of kLine floats) unless `first`. On the `last` pass they are
 // rounded to bfloat16 and stored to `out` instead, its first `cols` columns only. As each pair q is
-// read, NF side-by-side lines from fetch + q * kLine are fetched: this block's share of the panels a
-// pass on (past the group's end, the next group's).
+// read, NF side-by-side lines from fetch + q * kLine are fetched, into L2 where L2 (as
+// pdserve_simd::fetch_into_l2 picks), else into L1: this block's share of the panels a pass on (past
+// the group's end, the next group's).
 //
 // NF is a template argument, not a run-time mask: testing a mask's bits in the loop took general
 // registers that the 8 row pointers of x had left short, and GCC parked loop values in vector
@@ -73,7 +74,7 @@ constexpr int64_t steps_per_pass(int64_t rows) { return rows <= 64 ? 64 : 128; }
 // then ran at 84% of the vdpbf16ps peak on one thread; without the spill, 89-91%. Measured in one
 // process against the masked loop (2 threads): 16 rows 1.04-1.06x with the weights in cache, 1.02x for
 // the bench model's 49 matmuls from memory, 1.07x at 64 rows, 1.05-1.08x at 512; level at 1 and 4.
-template <int MR, int NF>
+template <int MR, int NF, bool L2>
 inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0, int64_t q1, float* sums,
                  bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols, const uint32_t* fetch) {
   __m512 acc[MR][kGroup];
@@ -87,7 +88,7 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
     const uint32_t* line = group + q * kLine;
 #pragma GCC unroll 4
     for (int j = 0; j < NF; ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(fetch + q * kLine + j * kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(fetch + q * kLine + j * kPanel), L2 ? _MM_HINT_T1 : _MM_HINT_T0);
     __m512bh wv[kGroup];
 #pragma GCC unroll 4
     for (int j = 0; j < kGroup; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(line + j * kPanel);
@@ -120,22 +121,32 @@ inline void tile(const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t 
   }
 }
 
-// tile<rows, fetched> for run-time counts (1 <= rows <= kRows, 0 <= fetched <= kGroup).
+// tile<rows, fetched, into_l2> for run-time counts (1 <= rows <= kRows, 0 <= fetched <= kGroup).
 template <int MR = kRows>
-inline void tile_rows(int rows, int fetched, const uint32_t* x, int64_t ldx, const uint32_t* group, int64_t q0,
-                      int64_t q1, float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo, int64_t cols,
-                      const uint32_t* fetch) {
+inline void tile_rows(int rows, int fetched, bool into_l2, const uint32_t* x, int64_t ldx, const uint32_t* group,
+                      int64_t q0, int64_t q1, float* sums, bool first, bool last, at::BFloat16* out, int64_t ldo,
+                      int64_t cols, const uint32_t* fetch) {
   if constexpr (MR > 0) {
     if (rows != MR)
-      return tile_rows<MR - 1>(rows, fetched, x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch);
+      return tile_rows<MR - 1>(rows, fetched, into_l2, x, ldx, group, q0, q1, sums, first, last, out, ldo, cols,
+                               fetch);
+#define PDSERVE_TILE(NF, L2) return tile<MR, NF, L2>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch)
     switch (fetched) {
-      case 0: return tile<MR, 0>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch);
-      case 1: return tile<MR, 1>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch);
-      case 2: return tile<MR, 2>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch);
-      default: return tile<MR, 3>(x, ldx, group, q0, q1, sums, first, last, out, ldo, cols, fetch);
+      case 0: PDSERVE_TILE(0, false);
+      case 1: if (into_l2) PDSERVE_TILE(1, true); PDSERVE_TILE(1, false);
+      case 2: if (into_l2) PDSERVE_TILE(2, true); PDSERVE_TILE(2, false);
+      default: if (into_l2) PDSERVE_TILE(3, true); PDSERVE_TILE(3, false);
     }
+#undef PDSERVE_TILE
   }
 }
+
+// Below this many rows a Zen 4 leaves the weights to its hardware prefetcher. On a 2-core Zen 4
+// EPYC (SmolLM2's bf16 decode steps alternated in one process), against fetching into L1 one pass
+// ahead: no software fetch 1.16x faster at 1 row, 1.19x at 2, 1.15x at 4 (into L2 1.09x, 1.15x,
+// 1.04x), level with into L2 at 8 (1.10x and 1.12x), 0.89x at 32 rows. On the Zen 5 the fetch was
+// measured at 16 rows only, where it paid (above): it keeps it at every row count.
+constexpr int64_t kZen4FetchRows = 8;
 
 // out[m, n] = x[m] · W[n] for every row m, the groups split over threads.
 void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t groups, int64_t m_size, int64_t q_size,
@@ -147,6 +158,8 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
   // cpu_panel_linear.cpp. On a Zen 5 (2 threads, alternated): 2048 rows 1.03-1.04x (900-945 GFLOP/s of
   // a 1090 bf16 peak) on SmolLM2's and the bench model's matmul shapes, level at 512 and 1024.
   const int64_t slice = pdserve_gemm::slice_rows(m_size, kRows);
+  const bool fetch = !(pdserve_simd::zen4() && m_size < kZen4FetchRows);
+  const bool into_l2 = pdserve_simd::fetch_into_l2();
   pdserve_parallel::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // The float32 sums between passes over k: every row of the slice for the group's columns.
     std::vector<float> sums(q_size > steps ? static_cast<size_t>(std::min(slice, m_size) * kLine) : 0);
@@ -159,9 +172,9 @@ void pairs_times(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t grou
           const int64_t q1 = std::min(q_size, q0 + steps);
           for (int64_t m = m0, b = 0; m < m1; m += kRows, ++b) {
             // This block's panels to fetch ahead (pdserve_gemm::ahead_share): a run of side-by-side lines.
-            const int share = pdserve_gemm::ahead_share(b, blocks, kGroup);
+            const int share = fetch ? pdserve_gemm::ahead_share(b, blocks, kGroup) : 0;
             const int first_panel = share ? __builtin_ctz(share) : 0;
-            tile_rows(static_cast<int>(std::min<int64_t>(kRows, m1 - m)), __builtin_popcount(share),
+            tile_rows(static_cast<int>(std::min<int64_t>(kRows, m1 - m)), __builtin_popcount(share), into_l2,
                       x + m * ldx, ldx, group, q0, q1, sums.data() + (m - m0) * kLine, q0 == 0, q1 == q_size,
                       out + m * n_size + n0, n_size, cols, group + steps * kLine + first_panel * kPanel);
           }

@@ -12,6 +12,7 @@
 #include <utility>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -155,17 +156,34 @@ inline void keep_in_registers(T (&v)[N]) {
   keep_in_registers_at(v, std::make_index_sequence<N>());
 }
 
-// Where a kernel's software fetch of the lines it reads next should go, by CPU maker: measured in
-// both of our streams that fetch ahead of their reads (decode attention's AheadLines, the float32
-// panels' next pass in cpu_gemm_tile.h), into L1 on AMD (a Zen 5 EPYC: attention 1.24x faster than
-// into L2) and into L2 on Intel (a 2-core AMX Xeon, whole decode steps alternated in one process:
-// attention 1.04-1.05x, the panels 1.05x at 16 rows and 1.03x at 64, level at 1-4).
-inline bool fetch_into_l2() {
-  static const bool intel = [] {
+// Whether this is an AMD Zen 4 (family 19h with AVX-512; Zen 3, the same family, has none): the
+// fetch rules below differ there from Zen 5's, which they were first measured on.
+inline bool zen4() {
+  static const bool is = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("intel") != 0;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xf;
+    const unsigned family = base == 0xf ? base + ((eax >> 20) & 0xff) : base;
+    return family == 0x19 && __builtin_cpu_supports("avx512f");
   }();
-  return intel;
+  return is;
+}
+
+// Where a kernel's software fetch of the lines it reads next should go, by CPU: measured in the
+// streams that fetch ahead of their reads (decode attention's AheadLines, the float32 panels' next
+// pass in cpu_gemm_tile.h, the bf16 pair groups' in cpu_bf16_pair_linear.cpp). Into L1 on a Zen 5
+// EPYC (attention 1.24x faster than into L2). Into L2 on Intel (a 2-core AMX Xeon, whole decode
+// steps alternated in one process: attention 1.04-1.05x, the panels 1.05x at 16 rows and 1.03x at
+// 64, level at 1-4) and on a Zen 4 (a 2-core EPYC, SmolLM2's decode steps alternated in one
+// process, against into L1: bf16 pair groups 1.18x at 16 rows, 1.03x at 32, level at 64; attention
+// 1.10x on top at 16 and at 64 requests; float32 panels 1.07x at 16 rows, 1.04x at 4).
+inline bool fetch_into_l2() {
+  static const bool l2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0 || zen4();
+  }();
+  return l2;
 }
 
 inline void fetch_line(const void* line, bool into_l2) {
