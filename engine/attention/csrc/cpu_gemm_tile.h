@@ -77,10 +77,33 @@ inline float weight_at(const uint16_t* row, int64_t j) {
   return f;
 }
 
+#if PDSERVE_GEMM_ISA != 0
+// Line j of `prefetch` (j < fetch_count, all of the pass's lines by default) is fetched at step
+// j * fetch_stride (by default the step that starts reading line j of this panel).
+template <typename W>
+struct LineFetch {
+  static constexpr int64_t line_steps = 64 / (kPanel * static_cast<int64_t>(sizeof(W)));
+  const W* at;
+  int64_t stride, count, next, done = 0;
+  LineFetch(const W* lines, int64_t kc, int64_t fetch_stride, int64_t fetch_count)
+      : at(lines),
+        stride(fetch_stride > 0 ? fetch_stride : line_steps),
+        count(fetch_count >= 0 ? fetch_count : (kc + line_steps - 1) / line_steps),
+        next(lines != nullptr && count > 0 ? 0 : kc) {}
+  // At step k of kc: the next line, if its step has come.
+  void at_step(int64_t k, int64_t kc) {
+    if (k != next) return;
+    _mm_prefetch(reinterpret_cast<const char*>(at + done * line_steps * kPanel), _MM_HINT_T0);
+    next = ++done < count ? k + stride : kc;
+  }
+};
+#endif
+
 // The tile adds x[0..MR) · panel over k in [0, kc) into out (or starts from zero when `first`),
 // for the first `cols` of the panel's 16 columns, then scales column j by row_scale[j] if given.
-// Where `prefetch` is set, the line at prefetch + k * 16 is fetched at step k: the next panel,
-// so that its weights stream in from memory while this one is multiplied.
+// Where `prefetch` is set, its lines are fetched as the steps go (LineFetch: by default the line at
+// prefetch + k * 16 at step k): the next panel, so that its weights stream in from memory while
+// this one is multiplied.
 //
 // The loops over the tile's rows carry `#pragma GCC unroll`: without it GCC 12 kept the
 // accumulators in registers but also stored them to the stack on every k step, and the tile ran
@@ -97,14 +120,15 @@ inline __m512 load_panel(const uint16_t* p) {
 
 template <int MR, typename W = float>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const W* prefetch) {
+                  bool first, const float* row_scale, const W* prefetch, int64_t fetch_stride = 0,
+                  int64_t fetch_count = -1) {
   const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1);
   __m512 acc[MR];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, out + i * ldo);
+  LineFetch<W> fetch(prefetch, kc, fetch_stride, fetch_count);
   for (int64_t k = 0; k < kc; ++k) {
-    if (prefetch != nullptr && starts_line<W>(k))
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    fetch.at_step(k, kc);
     const __m512 wv = load_panel(panel + k * kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, acc[i]);
@@ -257,8 +281,10 @@ inline void load_panel(const uint16_t* p, __m256& w0, __m256& w1) {
 
 template <int MR, typename W = float>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const W* prefetch) {
+                  bool first, const float* row_scale, const W* prefetch, int64_t fetch_stride = 0,
+                  int64_t fetch_count = -1) {
   const __m256i m0 = lanes_below(cols), m1 = lanes_below(cols - 8);
+  LineFetch<W> fetch(prefetch, kc, fetch_stride, fetch_count);
   __m256 acc[MR][2];
   // A whole panel's sums are read back and stored with plain loads and stores: vmaskmovps is slow on
   // AMD's Zen 3. Measured there (2 threads, alternated): plain stores ran 16-row panel matmuls
@@ -275,8 +301,7 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    if (prefetch != nullptr && starts_line<W>(k))
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kPanel), _MM_HINT_T0);
+    fetch.at_step(k, kc);
     __m256 w0, w1;
     load_panel(panel + k * kPanel, w0, w1);
     // Kept in registers: for tiles of 4 rows or fewer GCC 12 otherwise loaded each panel vector once
@@ -319,7 +344,8 @@ constexpr int kRowsMax = 4;
 
 template <int MR, typename W = float>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
-                  bool first, const float* row_scale, const W* /*prefetch*/) {
+                  bool first, const float* row_scale, const W* /*prefetch*/, int64_t /*fetch_stride*/ = 0,
+                  int64_t /*fetch_count*/ = -1) {
   for (int i = 0; i < MR; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       float acc = first ? 0.f : out[i * ldo + j];
@@ -333,10 +359,13 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
 template <int MR = kRowsMax, typename W = float>
 inline void micro_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo,
                        int64_t cols, bool first, const float* row_scale,
-                       const typename same<W>::type* prefetch = nullptr) {
+                       const typename same<W>::type* prefetch = nullptr, int64_t fetch_stride = 0,
+                       int64_t fetch_count = -1) {
   if constexpr (MR > 0) {
-    if (rows == MR) return micro<MR, W>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
-    micro_rows<MR - 1, W>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch);
+    if (rows == MR)
+      return micro<MR, W>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch, fetch_stride, fetch_count);
+    micro_rows<MR - 1, W>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch, fetch_stride,
+                          fetch_count);
   }
 }
 
