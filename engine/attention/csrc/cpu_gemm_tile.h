@@ -77,12 +77,16 @@ inline float weight_at(const uint16_t* row, int64_t j) {
   return f;
 }
 
+// k steps of a panel per 64-byte line: 1 for float32, 2 for bfloat16.
+template <typename W>
+constexpr int64_t kLineSteps = 64 / (kPanel * static_cast<int64_t>(sizeof(W)));
+
 #if PDSERVE_GEMM_ISA != 0
 // Line j of `prefetch` (j < fetch_count, all of the pass's lines by default) is fetched at step
 // j * fetch_stride (by default the step that starts reading line j of this panel).
 template <typename W>
 struct LineFetch {
-  static constexpr int64_t line_steps = 64 / (kPanel * static_cast<int64_t>(sizeof(W)));
+  static constexpr int64_t line_steps = kLineSteps<W>;
   const W* at;
   int64_t stride, count, next, done = 0;
   LineFetch(const W* lines, int64_t kc, int64_t fetch_stride, int64_t fetch_count)

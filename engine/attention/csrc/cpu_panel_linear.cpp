@@ -100,7 +100,7 @@ void panels_times(const float* xp, int64_t ldx, const W* wp, int64_t count, int6
   // rows, 1.06x at 64, 1.02-1.03x at 4 and 8, level at 2 and at 256-2048; bfloat16 panels (half the
   // bytes, bound by the widening) level. Passes over k of 128 or 256 steps, so that a panel's pass and
   // the rows' x stay in L1 as on AVX-512, ran 0.88-1.03x of this, and slices of the rows level.
-  constexpr int64_t line_steps = 64 / (kPanel * static_cast<int64_t>(sizeof(W)));
+  constexpr int64_t line_steps = pdserve_gemm::kLineSteps<W>;
   const int64_t lines = (k_size + line_steps - 1) / line_steps;
   const int64_t blocks = (m_size + kRowsMax - 1) / kRowsMax;
   pdserve_parallel::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
