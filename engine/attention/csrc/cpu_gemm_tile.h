@@ -105,9 +105,11 @@ struct LineFetch {
 
 // The tile adds x[0..MR) · panel over k in [0, kc) into out (or starts from zero when `first`),
 // for the first `cols` of the panel's 16 columns, then scales column j by row_scale[j] if given.
-// Where `prefetch` is set, its lines are fetched as the steps go (LineFetch: by default the line at
-// prefetch + k * 16 at step k): the next panel, so that its weights stream in from memory while
-// this one is multiplied.
+// Where `prefetch` is set (`Fetch`), its lines are fetched as the steps go (LineFetch: by default the
+// line at prefetch + k * 16 at step k): the next panel, so that its weights stream in from memory
+// while this one is multiplied. Without it the loop carries no fetch test at all: LineFetch's test at
+// every step, though never taken, ran int8_gemm's 2-8 row tiles 1.02-1.06x slower on the AVX-512 Xeon
+// (a step's 48 matmuls, 2 threads, alternated processes).
 //
 // The loops over the tile's rows carry `#pragma GCC unroll`: without it GCC 12 kept the
 // accumulators in registers but also stored them to the stack on every k step, and the tile ran
@@ -122,7 +124,7 @@ inline __m512 load_panel(const uint16_t* p) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), paired);
 }
 
-template <int MR, typename W = float>
+template <int MR, typename W = float, bool Fetch = false>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
                   bool first, const float* row_scale, const W* prefetch, int64_t fetch_stride = 0,
                   int64_t fetch_count = -1) {
@@ -132,7 +134,7 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
   for (int i = 0; i < MR; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m, out + i * ldo);
   LineFetch<W> fetch(prefetch, kc, fetch_stride, fetch_count);
   for (int64_t k = 0; k < kc; ++k) {
-    fetch.at_step(k, kc);
+    if constexpr (Fetch) fetch.at_step(k, kc);
     const __m512 wv = load_panel(panel + k * kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wv, acc[i]);
@@ -283,7 +285,7 @@ inline void load_panel(const uint16_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-template <int MR, typename W = float>
+template <int MR, typename W = float, bool Fetch = false>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
                   bool first, const float* row_scale, const W* prefetch, int64_t fetch_stride = 0,
                   int64_t fetch_count = -1) {
@@ -305,7 +307,7 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
     }
   }
   for (int64_t k = 0; k < kc; ++k) {
-    fetch.at_step(k, kc);
+    if constexpr (Fetch) fetch.at_step(k, kc);
     __m256 w0, w1;
     load_panel(panel + k * kPanel, w0, w1);
     // Kept in registers: for tiles of 4 rows or fewer GCC 12 otherwise loaded each panel vector once
@@ -346,7 +348,7 @@ inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float
 #else
 constexpr int kRowsMax = 4;
 
-template <int MR, typename W = float>
+template <int MR, typename W = float, bool Fetch = false>
 inline void micro(const float* x, int64_t ldx, const W* panel, int64_t kc, float* out, int64_t ldo, int64_t cols,
                   bool first, const float* row_scale, const W* /*prefetch*/, int64_t /*fetch_stride*/ = 0,
                   int64_t /*fetch_count*/ = -1) {
@@ -366,8 +368,11 @@ inline void micro_rows(int rows, const float* x, int64_t ldx, const W* panel, in
                        const typename same<W>::type* prefetch = nullptr, int64_t fetch_stride = 0,
                        int64_t fetch_count = -1) {
   if constexpr (MR > 0) {
-    if (rows == MR)
-      return micro<MR, W>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch, fetch_stride, fetch_count);
+    if (rows == MR) {
+      if (prefetch == nullptr) return micro<MR, W, false>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, nullptr);
+      return micro<MR, W, true>(x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch, fetch_stride,
+                                fetch_count);
+    }
     micro_rows<MR - 1, W>(rows, x, ldx, panel, kc, out, ldo, cols, first, row_scale, prefetch, fetch_stride,
                           fetch_count);
   }
