@@ -129,3 +129,46 @@ def test_each_kinds_roofline_takes_the_read_rate_measured_next_to_its_steps(mode
     assert sp.report_rows([first], bandwidth=1e9, flops_rate=1e15)[0]["read_GB_s"] == 1.0
     with pytest.raises(ValueError, match="decode b2: no read rate"):
         sp.report_rows([first], flops_rate=1e15)
+
+
+def test_rounds_keep_the_fastest_round_and_the_best_read_rate():
+    """A shared VM runs at two speeds for minutes at a time: of a kind's rounds the fastest one speaks
+    for the step (its shares with it), against the highest read rate seen beside any round."""
+    kind = sp.StepKind("decode b16", 16, 1, 256)
+
+    def prof(ms: float, rate: float | None, matmul: float) -> sp.StepProfile:
+        return sp.StepProfile(kind, ms, {"matmul": matmul, "python": 1 - matmul}, 0.1, 0.2, 1e8, 1e9,
+                              samples=[ms / 1e3, ms / 1e3 + 0.001], read_rate=rate)
+
+    slow, fast, middling = prof(45.0, 3e10, 0.7), prof(28.0, 2e10, 0.8), prof(30.0, None, 0.75)
+    merged = sp.fastest_round([slow, fast, middling])
+    assert merged.ms_per_step == 28.0 and merged.shares == fast.shares
+    assert merged.read_rate == 3e10  # the slow round's rate was the machine's best: the roofline asks for it
+    assert len(merged.samples) == 6
+    assert sp.fastest_round([middling]).read_rate is None
+    with pytest.raises(ValueError):
+        sp.fastest_round([])
+
+
+def test_kinds_are_profiled_in_interleaved_rounds(model_dir, monkeypatch):
+    from pdserve.engine import LLM
+
+    llm = LLM(model_dir("llama"), dtype="float32", num_kv_blocks=64)
+    runner = llm.engine.client.engine_core.executor.worker.runner
+    order = []
+    real = sp.profile_step_kind
+
+    def spy(runner, kind, *args):
+        order.append(kind.name)
+        return real(runner, kind, *args)
+
+    monkeypatch.setattr(sp, "profile_step_kind", spy)
+    kinds = [sp.StepKind("decode b2", 2, 1, 20), sp.StepKind("decode b3", 3, 1, 20)]
+    try:
+        first, second = sp.profile_step_kinds(runner, kinds, num_blocks=64, repeats=2, profiled=1, rounds=2)
+    finally:
+        llm.shutdown()
+    assert order == ["decode b2", "decode b3", "decode b2", "decode b3"]
+    assert (first.kind.name, second.kind.name) == ("decode b2", "decode b3")
+    assert len(first.samples) == len(second.samples) == 4  # both rounds' timed steps
+    assert first.ms_per_step == pytest.approx(1e3 * min(first.samples))
