@@ -372,7 +372,7 @@ def profile_step_kinds(runner: Any, kinds: Sequence[StepKind], num_blocks: int, 
                        rounds: int = 1) -> list[StepProfile]:
     """Each kind profiled `rounds` times, the kinds interleaved, merged by fastest_round. A shared VM
     runs the same step at two speeds for a minute or so at a time (on a 2-core Zen 3 guest the same
-    build's decode batch of 16 took 27-30 ms in some minutes and 40-45 ms in others, every step of a
+    build's decode batch of 16 took 27-30 ms in some minutes and 40-51 ms in others, every step of a
     run alike): steps timed back to back all land in one of them, rounds spread over a few minutes
     find the machine's faster one more often."""
     per_kind: list[list[StepProfile]] = [[] for _ in kinds]
@@ -399,7 +399,8 @@ def report_rows(profiles: Sequence[StepProfile], bandwidth: float | None = None,
         row: dict[str, Any] = {**extra, "step": p.kind.name, "tokens": p.kind.batch * p.kind.query_len,
                                "ms_per_step": p.ms_per_step}
         row.update({f"{c}_pct": 100 * p.shares[c] for c in CATEGORIES})
-        row.update({"prepare_ms": p.prepare_ms, "sample_ms": p.sample_ms, "read_GB_s": rate / 1e9, "bound": bound,
+        row.update({"prepare_ms": p.prepare_ms, "sample_ms": p.sample_ms, "read_GB_s": rate / 1e9,
+                    "matmul_GFLOP_s": flops_rate / 1e9, "bound": bound,
                     "roofline_ms": 1e3 * floor_s, "roofline_fraction": 1e3 * floor_s / p.ms_per_step})
         rows.append(row)
     return rows

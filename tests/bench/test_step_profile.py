@@ -122,6 +122,7 @@ def test_each_kinds_roofline_takes_the_read_rate_measured_next_to_its_steps(mode
     assert (first.read_rate, second.read_rate) == (3e10, 5e10)
     rows = sp.report_rows([first, second], bandwidth=1e9, flops_rate=1e15)
     assert [r["read_GB_s"] for r in rows] == [30.0, 50.0]
+    assert all(r["matmul_GFLOP_s"] == 1e6 for r in rows)  # the rate each roofline was computed with
     for row, p, rate in zip(rows, (first, second), (3e10, 5e10)):
         assert row["roofline_ms"] == pytest.approx(1e3 * p.bytes_read / rate)
     # Without a measured rate the caller's bandwidth stands.
