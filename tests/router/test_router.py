@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -473,10 +474,25 @@ def spread(engines: list[ServerProcess], before: list[float]) -> list[float]:
     return [successes(e) - b for e, b in zip(engines, before)]
 
 
-def send_together(http: httpx.Client, start: threading.Barrier, prompt: str) -> int:
+@dataclass
+class Sent:
+    status: int
+    sent: float  # perf_counter just before the request left
+    done: float  # and once its answer was in
+
+
+def send_together(http: httpx.Client, start: threading.Barrier, prompt: str) -> Sent:
     start.wait(timeout=30)
-    return http.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 96,
-                                           "ignore_eos": True}).status_code
+    sent = time.perf_counter()
+    status = http.post("/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 96,
+                                             "ignore_eos": True}).status_code
+    return Sent(status, sent, time.perf_counter())
+
+
+def overlapped(legs: list[Sent]) -> bool:
+    """Whether every request of a burst left before any of them had its answer: only then were all
+    of them in flight when the router made the burst's last pick."""
+    return max(leg.sent for leg in legs) < min(leg.done for leg in legs)
 
 
 def test_idle_engines_share_bursts_evenly(pool, tmp):
@@ -489,8 +505,21 @@ def test_idle_engines_share_bursts_evenly(pool, tmp):
     its cores with this test), and a burst's five leave together (a barrier, each thread on an already
     open connection): all five are still in flight when the router makes the burst's last pick. With
     2-token requests an engine could finish one before that pick on a loaded machine and rightly take
-    a sixth; that is a steady stream, not what this test is about."""
+    a sixth; that is a steady stream, not what this test is about. Even 96 tokens did not always
+    suffice: a CI run's first burst went [1, 1, 3], its last thread presumably descheduled until
+    another request had finished (two xdist workers on the 2-core guest). So each request's send and
+    answer times are kept, and a sequence with a burst whose requests did not all leave before the
+    first answer came back (`overlapped`) is run again, up to three times: it tested a stream."""
     three = pool[:3]
+    for attempt in range(3):
+        if _bursts_share_evenly(three, tmp, attempt):
+            return
+    pytest.fail("in three sequences of bursts, one burst's requests never all left before the first answer")
+
+
+def _bursts_share_evenly(three: list[ServerProcess], tmp: Path, attempt: int) -> bool:
+    """One sequence of bursts, asserted; False when a burst did not overlap and the sequence must
+    be run again."""
     bursts, size = 3, 5  # the lone pick rotates: three bursts give each engine 5
     # One health check per engine, at the router's start: on a loaded CI machine a later one can time
     # out (3 s), and an engine ejected for one pick moves that burst's lone pick, the likely cause of a
@@ -517,9 +546,12 @@ def test_idle_engines_share_bursts_evenly(pool, tmp):
                 wait_until(router_idle, "the router's legs to close")
                 start = threading.Barrier(size)
                 with ThreadPoolExecutor(size) as executor:
-                    codes = executor.map(lambda c, s=start, p=f"burst {burst} says": send_together(c, s, p), http)
-                    assert list(codes) == [200] * size
+                    legs = list(executor.map(
+                        lambda c, s=start, p=f"try {attempt} burst {burst} says": send_together(c, s, p), http))
+                assert [leg.status for leg in legs] == [200] * size
                 now = picks()
+                if not overlapped(legs):
+                    return False
                 assert sorted(b - a for a, b in zip(last, now)) == [1, 2, 2], (burst, last, now)
                 last = now
         finally:
@@ -535,6 +567,7 @@ def test_idle_engines_share_bursts_evenly(pool, tmp):
 
         assert wait_until(all_counted, f"{total} successes") == sent  # each engine served what it was sent
         assert sent == [size] * 3, (sent, [line for line in r.log_path.read_text().splitlines() if "eject" in line])
+    return True
 
 
 # In the fault suite (make test-faults), to keep make test within its time budget.
