@@ -7,7 +7,10 @@ output tokens, greedy, ignore_eos, through pdserve's own load generator:
 Each repetition draws fresh prompts (its own seed), so neither server's prefix cache turns a
 repetition's prefill into a cache hit.
 
-Systems, each a server started here and stopped after its rows:
+Systems, each a server started here. The servers of one precision (pdserve's rows and their
+llama-server peer) are up together and take their repetitions in turn, each repetition of every
+one before the next of any (`interleaved`), so a ratio compares servers timed in the same minutes;
+the report's meta gives the CPU seconds each server used while the others were timed:
 - `pdserve serve --dtype float32`, and `--dtype auto` when auto picks something else on this CPU;
 - `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), and again with
   `--int8-activations` (decode rows rounded to int8 too, the dot product llama.cpp's Q8_0 takes),
@@ -27,7 +30,8 @@ A pdserve server is measured once it has mapped its KV cache ahead of use (the g
 pdserve:kv_cache_mapped_ratio at 1, what an idle engine does in its first seconds; on a fresh cache
 nearly every block's first write page-faults), as llama-server clears its whole cache before its
 /health answers.
-On a shared 2-core machine the numbers are noisy: read the two repetitions as a range.
+On a shared 2-core machine the numbers are noisy: read the two repetitions as a range, and the
+ratios (same minutes) before the absolute numbers.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.loadgen import LoadConfig, run_load_sync
+from pdserve.bench.pairing import interleaved, precision_groups
 from pdserve.bench.report import write_report
 
 from bench_serve import free_port, start, stop, wait_kv_mapped
@@ -141,12 +146,15 @@ def run_load(port: int, tokenizer: str, concurrency: int, requests: int, seed: i
     return summary
 
 
-def measure(port: int, tokenizer: str, quick: bool) -> dict:
-    """Two repetitions at one stream, then two at sixteen; fresh prompts for each."""
-    one_n, many_n = (2, 16) if quick else (8, 48)
-    reps = 2
-    one = [run_load(port, tokenizer, 1, one_n, seed=100 + r, warmup=2 if r == 0 else 0) for r in range(reps)]
-    many = [run_load(port, tokenizer, SLOTS, many_n, seed=200 + r, warmup=0) for r in range(reps)]
+def requests_per_rep(quick: bool) -> tuple[int, int]:
+    """Requests in one repetition at one stream and at sixteen."""
+    return (2, 16) if quick else (8, 48)
+
+
+REPS = 2
+
+
+def summarize(one: list[dict], many: list[dict]) -> dict:
     runs = one + many
     return {
         "itl_p50_ms": [s["itl_p50_ms"] for s in one],
@@ -156,6 +164,48 @@ def measure(port: int, tokenizer: str, quick: bool) -> dict:
         "failed": sum(s["failed"] for s in runs),
         "errors": [e for s in runs for e in s["errors"]],
     }
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds used so far by `pid` and its children's processes (Linux /proc), None elsewhere."""
+    try:
+        total = 0.0
+        pids, tick = [pid], os.sysconf("SC_CLK_TCK")
+        while pids:
+            p = pids.pop()
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            children = Path(f"/proc/{p}/task/{p}/children")
+            if children.exists():
+                pids += [int(c) for c in children.read_text().split()]
+        return total
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def measure_group(group: list[dict], procs: dict[str, tuple[subprocess.Popen, int]], tokenizer: str,
+                  quick: bool) -> tuple[dict[str, dict], dict[str, float]]:
+    """Every member's repetitions, interleaved: one stream first, then sixteen. Returns each member's
+    results and the CPU seconds each member's server used while the others were measured (an idle
+    server must not take the cores its peer is timed on)."""
+    one_n, many_n = requests_per_rep(quick)
+    names = [s["system"] for s in group]
+    one: dict[str, list[dict]] = {n: [] for n in names}
+    many: dict[str, list[dict]] = {n: [] for n in names}
+    idle_cpu = dict.fromkeys(names, 0.0)
+    for streams, count, seed, out in ((1, one_n, 100, one), (SLOTS, many_n, 200, many)):
+        for name, rep in interleaved(names, REPS):
+            others = {n: process_cpu_s(procs[n][0].pid) for n in names if n != name}
+            log(f"{name}: {streams} stream(s), repetition {rep + 1} of {REPS}")
+            port = procs[name][1]
+            warmup = 2 if streams == 1 and rep == 0 else 0
+            out[name].append(run_load(port, tokenizer, streams, count, seed=seed + rep, warmup=warmup))
+            for n, before in others.items():
+                after = process_cpu_s(procs[n][0].pid)
+                if before is not None and after is not None:
+                    idle_cpu[n] += after - before
+    results = {n: dict(summarize(one[n], many[n]), sample=sample_text(procs[n][1])) for n in names}
+    return results, idle_cpu
 
 
 def _mean(values: list) -> float | None:
@@ -220,33 +270,46 @@ def main(argv: list[str]) -> None:
                         "cmd": lambda port, gguf=gguf: llama_server_cmd(binary, gguf, port, args.threads)})
 
     results: dict[str, dict] = {}
+    idle_cpu: dict[str, float] = {}
     for s in systems:
         if "missing" in s:
             log(f"--- {s['system']}: not installed: {s['missing']}")
-            continue
-        log(f"--- {s['system']} ---")
-        port = free_port()
-        slug = "".join(c if c.isalnum() else "-" for c in s["system"]).strip("-")
+    for group in precision_groups(systems):
+        log(f"--- {group[0]['precision']}: {', '.join(s['system'] for s in group)} ---")
+        procs: dict[str, tuple[subprocess.Popen, int]] = {}
         try:
-            proc = start_server(s["cmd"](port), port, workdir / f"peer-{slug}.log", args.threads)
-        except (RuntimeError, TimeoutError) as e:
-            s["missing"] = f"did not start: {str(e)[:300]}"
-            log(s["missing"])
-            continue
-        try:
-            waited = wait_kv_mapped(port)
-            if waited:
-                log(f"KV cache mapped ahead after {waited:.1f} s idle")
-            results[s["system"]] = dict(measure(port, model_dir, args.quick), sample=sample_text(port))
+            # One at a time, each with its KV cache mapped before the next starts: a start-up times its
+            # matmul paths (linear_tuning), which another server's KV mapping would slow.
+            for s in group:
+                port = free_port()
+                slug = "".join(c if c.isalnum() else "-" for c in s["system"]).strip("-")
+                try:
+                    proc = start_server(s["cmd"](port), port, workdir / f"peer-{slug}.log", args.threads)
+                except (RuntimeError, TimeoutError) as e:
+                    s["missing"] = f"did not start: {str(e)[:300]}"
+                    log(s["missing"])
+                    continue
+                procs[s["system"]] = (proc, port)
+                waited = wait_kv_mapped(port)
+                if waited:
+                    log(f"KV cache mapped ahead after {waited:.1f} s idle")
+            running = [s for s in group if s["system"] in procs]
+            if running:
+                measured, idle = measure_group(running, procs, model_dir, args.quick)
+                results.update(measured)
+                idle_cpu.update(idle)
         finally:
-            stop(proc)
+            for proc, _ in procs.values():
+                stop(proc)
 
     rows = _rows(systems, results)
     meta = {"model": "smollm2 (SmolLM2-135M-Instruct)", "model_dir": model_dir, "prompt_tokens": PROMPT_TOKENS,
             "output_tokens": OUTPUT_TOKENS, "threads": args.threads, "dtype_auto": auto, "slots": SLOTS,
             "llama_server": binary, "llama_server_version": version, "quick": args.quick,
             "samples": {name: r["sample"] for name, r in results.items()},
-            "errors": {name: r["errors"] for name, r in results.items() if r["errors"]}}
+            "errors": {name: r["errors"] for name, r in results.items() if r["errors"]},
+            "order": "the servers of one precision up together, their repetitions interleaved",
+            "idle_cpu_s": {name: round(v, 2) for name, v in idle_cpu.items()}}
     write_report("peer", rows, title=f"pdserve serve vs llama-server, SmolLM2-135M, {PROMPT_TOKENS}-token prompts, "
                                      f"{OUTPUT_TOKENS} output tokens, {args.threads} threads (ms, tok/s; "
                                      "x = pdserve / llama-server at the same precision)", meta=meta,
