@@ -7,10 +7,13 @@ output tokens, greedy, ignore_eos, through pdserve's own load generator:
 Each repetition draws fresh prompts (its own seed), so neither server's prefix cache turns a
 repetition's prefill into a cache hit.
 
-Systems, each a server started here. The servers of one precision (pdserve's rows and their
-llama-server peer) are up together and take their repetitions in turn, each repetition of every
-one before the next of any (`interleaved`), so a ratio compares servers timed in the same minutes;
-the report's meta gives the CPU seconds each server used while the others were timed:
+Systems, each a server started here. The servers compared with each other are up together and take
+their repetitions in turn, each repetition of every one before the next of any, the order reversed
+every other repetition (pdserve.bench.pairing): every float row (pdserve's float32 and bfloat16,
+llama-server's F32 and BF16) in one group, the Q8_0 rows in another. So a ratio compares servers
+timed in the same minutes, and pdserve's bfloat16 row against its float32 one (meta
+`bfloat16_over_float32`) checks `dtype auto`'s choice. The meta also gives the CPU seconds each
+server used while the others were timed:
 - `pdserve serve --dtype float32`, and `--dtype auto` when auto picks something else on this CPU;
 - `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), and again with
   `--int8-activations` (decode rows rounded to int8 too, the dot product llama.cpp's Q8_0 takes),
@@ -47,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.loadgen import LoadConfig, run_load_sync
-from pdserve.bench.pairing import interleaved, precision_groups
+from pdserve.bench.pairing import comparison_family, interleaved, precision_groups
 from pdserve.bench.report import write_report
 
 from bench_serve import free_port, start, stop, wait_kv_mapped
@@ -275,7 +278,7 @@ def main(argv: list[str]) -> None:
         if "missing" in s:
             log(f"--- {s['system']}: not installed: {s['missing']}")
     for group in precision_groups(systems):
-        log(f"--- {group[0]['precision']}: {', '.join(s['system'] for s in group)} ---")
+        log(f"--- {comparison_family(group[0]['precision'])}: {', '.join(s['system'] for s in group)} ---")
         procs: dict[str, tuple[subprocess.Popen, int]] = {}
         try:
             # One at a time, each with its KV cache mapped before the next starts: a start-up times its
@@ -308,13 +311,32 @@ def main(argv: list[str]) -> None:
             "llama_server": binary, "llama_server_version": version, "quick": args.quick,
             "samples": {name: r["sample"] for name, r in results.items()},
             "errors": {name: r["errors"] for name, r in results.items() if r["errors"]},
-            "order": "the servers of one precision up together, their repetitions interleaved",
+            "order": "the servers compared with each other up together (float rows in one group, Q8_0 in another), "
+                     "their repetitions interleaved",
+            "bfloat16_over_float32": bf16_over_f32(rows),
             "idle_cpu_s": {name: round(v, 2) for name, v in idle_cpu.items()}}
     write_report("peer", rows, title=f"pdserve serve vs llama-server, SmolLM2-135M, {PROMPT_TOKENS}-token prompts, "
                                      f"{OUTPUT_TOKENS} output tokens, {args.threads} threads (ms, tok/s; "
                                      "x = pdserve / llama-server at the same precision)", meta=meta,
                  columns=["system", "itl_p50_ms", "itl_runs", "itl_x", "ttft_p50_ms", "ttft_runs", "ttft_x",
                           "tok_s_16", "tok_s_runs", "tok_s_x", "counted_alike", "same_text", "note"])
+    if meta["bfloat16_over_float32"]:
+        print(f"pdserve bfloat16 / float32, timed in the same minutes (dtype auto: {auto}): "
+              + ", ".join(f"{k} {v}x" for k, v in meta["bfloat16_over_float32"].items()))
+
+
+def bf16_over_f32(rows: list[dict]) -> dict | None:
+    """pdserve's first bfloat16 row over its float32 row, timed in the same minutes: ITL and TTFT below 1
+    and tok/s above 1 mean bfloat16 was faster (`dtype auto` must not pick the slower)."""
+    own = {}
+    for r in rows:
+        if r["system"].startswith("pdserve") and r.get("tok_s_16") is not None:
+            own.setdefault(r["precision"], r)
+    f32, bf16 = own.get("float32"), own.get("bfloat16")
+    if not (f32 and bf16):
+        return None
+    return {key: round(bf16[key] / f32[key], 3) for key in ("itl_p50_ms", "ttft_p50_ms", "tok_s_16")
+            if bf16.get(key) and f32.get(key)}
 
 
 def _rows(systems: list[dict], results: dict[str, dict]) -> list[dict]:

@@ -22,11 +22,21 @@ def interleaved(members: list[str], reps: int) -> list[tuple[str, int]]:
     return order
 
 
+FLOAT_PRECISIONS = ("float32", "bfloat16", "float16")
+
+
+def comparison_family(precision: str) -> str:
+    """The servers compared with each other: every float precision together (pdserve's float32 and
+    bfloat16 rows are set against each other as well as against llama-server's F32 and BF16, which
+    is how `dtype auto` is checked), each quantized format alone."""
+    return "float" if precision in FLOAT_PRECISIONS else precision
+
+
 def precision_groups(systems: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The systems that can run (no "missing" key), grouped by their "precision" in the order
-    they were listed: each group's servers are compared with each other, so they are up together."""
+    """The systems that can run (no "missing" key), grouped by the `comparison_family` of their
+    "precision" in the order they were listed: a group's servers are up together."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for s in systems:
         if "missing" not in s:
-            groups.setdefault(s["precision"], []).append(s)
+            groups.setdefault(comparison_family(s["precision"]), []).append(s)
     return list(groups.values())

@@ -17,9 +17,11 @@ def test_a_lone_server_keeps_its_repetitions_in_order():
 def test_groups_follow_precision_and_leave_out_what_cannot_run():
     systems = [{"system": "pdserve f32", "precision": "float32"},
                {"system": "pdserve q8", "precision": "q8_0"},
+               {"system": "pdserve bf16", "precision": "bfloat16"},
                {"system": "pdserve q8 a8", "precision": "q8_0"},
                {"system": "llama bf16", "precision": "bfloat16", "missing": "not installed"},
                {"system": "llama f32", "precision": "float32"},
                {"system": "llama q8", "precision": "q8_0"}]
     groups = [[s["system"] for s in g] for g in precision_groups(systems)]
-    assert groups == [["pdserve f32", "llama f32"], ["pdserve q8", "pdserve q8 a8", "llama q8"]]
+    # float32 and bfloat16 together: pdserve's two float rows are compared with each other too.
+    assert groups == [["pdserve f32", "pdserve bf16", "llama f32"], ["pdserve q8", "pdserve q8 a8", "llama q8"]]
