@@ -13,7 +13,7 @@ every other repetition (pdserve.bench.pairing): every float row (pdserve's float
 llama-server's F32 and BF16) in one group, the Q8_0 rows in another. So a ratio compares servers
 timed in the same minutes, and pdserve's bfloat16 row against its float32 one (meta
 `bfloat16_over_float32`) checks `dtype auto`'s choice. The meta also gives the CPU seconds each
-server used while the others were timed:
+server used while the others were timed (`idle_cpu_s`). The systems:
 - `pdserve serve --dtype float32`, and `--dtype auto` when auto picks something else on this CPU;
 - `pdserve serve` on the Q8_0 GGUF (its weights kept int8: `--quantization auto`), and again with
   `--int8-activations` (decode rows rounded to int8 too, the dot product llama.cpp's Q8_0 takes),
