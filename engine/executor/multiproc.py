@@ -320,6 +320,20 @@ def _remove_orphaned_queue(handle: QueueHandle) -> None:
     ipc_files.remove_socket(handle.zmq_address)
 
 
+# The rendezvous port is found free, then bound by rank 0 a moment later, in another process: on a
+# busy machine another program can take it in between (a fault-suite run: EADDRINUSE on a port that
+# free_tcp_port had just found free). A port we chose is chosen again; one the config gave is not.
+RENDEZVOUS_PORT_TRIES = 3
+
+
+def rendezvous_port_taken(error: BaseException) -> bool:
+    """Whether worker startup failed because the process group's port was already in use."""
+    if not isinstance(error, WorkerStartupError):
+        return False
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -328,20 +342,26 @@ class MultiprocExecutor(Executor):
         # Fail here, with the model's numbers, rather than in every worker after a spawn.
         check_head_split(mc.num_attention_heads, mc.num_key_value_heads, tp)
         self.tp = tp
-        self.distributed_init_method = (config.parallel.distributed_init_method
-                                        or f"tcp://127.0.0.1:{free_tcp_port()}")
-        self._state = state = _ExecutorState(tp)
-        # Registered after multiprocessing.util's own exit hook, so it runs first: that hook joins
-        # non-daemon children, which would wait forever for workers nobody told to stop.
-        atexit.register(state.shutdown)
-        # An executor dropped without shutdown() must not keep its workers until exit.
-        weakref.finalize(self, state.shutdown)
-        try:
-            self._start_workers()
-        except BaseException:
-            state.shutdown(graceful=False)
-            atexit.unregister(state.shutdown)
-            raise
+        given = config.parallel.distributed_init_method
+        for attempt in range(1, RENDEZVOUS_PORT_TRIES + 1):
+            self.distributed_init_method = given or f"tcp://127.0.0.1:{free_tcp_port()}"
+            self._state = state = _ExecutorState(tp)
+            # Registered after multiprocessing.util's own exit hook, so it runs first: that hook joins
+            # non-daemon children, which would wait forever for workers nobody told to stop.
+            atexit.register(state.shutdown)
+            # An executor dropped without shutdown() must not keep its workers until exit.
+            weakref.finalize(self, state.shutdown)
+            try:
+                self._start_workers()
+                return
+            except BaseException as e:
+                state.shutdown(graceful=False)
+                atexit.unregister(state.shutdown)
+                if given or attempt == RENDEZVOUS_PORT_TRIES or not rendezvous_port_taken(e):
+                    raise
+                log.warning("the rendezvous port of %s was taken before rank 0 could listen on it; "
+                            "starting the workers again on another (try %d of %d)",
+                            self.distributed_init_method, attempt + 1, RENDEZVOUS_PORT_TRIES)
 
     # -- startup -------------------------------------------------------------------------------
 

@@ -8,9 +8,11 @@ engine, not even when the engine's own process is killed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -229,6 +231,37 @@ def test_worker_startup_failure_is_reported_with_its_traceback(model_dir, tmp_pa
     assert time.monotonic() - started < 60
     assert "Traceback" in "\n".join(getattr(info.value.__cause__, "__notes__", []))
     assert wait_until(lambda: {p.pid for p in psutil.Process().children(recursive=True)} <= before, 10)
+
+
+def test_a_rendezvous_port_taken_meanwhile_is_chosen_again(model_dir, monkeypatch, caplog):
+    # free_tcp_port finds a port free, rank 0 binds it a moment later in another process; a program
+    # that takes it in between (a fault-suite run's EADDRINUSE) must not stop the engine from starting.
+    from pdserve.engine.executor import multiproc
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    real = multiproc.free_tcp_port
+    offered = iter([port])
+    monkeypatch.setattr(multiproc, "free_tcp_port", lambda: next(offered, None) or real())
+    config = EngineArgs(model=model_dir("llama"), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.engine.executor"):
+            executor = MultiprocExecutor(config)
+        try:
+            assert executor.distributed_init_method != f"tcp://127.0.0.1:{port}"
+            assert executor.collective_rpc("warm_kv_cache", (0.0,)) == [1.0, 1.0]  # both ranks answer
+            assert any("rendezvous port" in r.getMessage() for r in caplog.records)
+        finally:
+            executor.shutdown()
+        # A port the config names is the operator's: taken, it is a startup error, not another port.
+        given = EngineArgs(model=model_dir("llama"), tensor_parallel_size=2, **ENGINE_ARGS).create_engine_config()
+        given.parallel.distributed_init_method = f"tcp://127.0.0.1:{port}"
+        with pytest.raises(WorkerStartupError, match="address already in use|EADDRINUSE"):
+            MultiprocExecutor(given)
+    finally:
+        taken.close()
 
 
 # -- worker death is engine death ---------------------------------------------------------------
