@@ -326,12 +326,14 @@ def _remove_orphaned_queue(handle: QueueHandle) -> None:
 RENDEZVOUS_PORT_TRIES = 3
 
 
-def rendezvous_port_taken(error: BaseException) -> bool:
-    """Whether worker startup failed because the process group's port was already in use."""
+def rendezvous_port_taken(error: BaseException, init_method: str) -> bool:
+    """Whether worker startup failed because the process group's port (of `init_method`,
+    tcp://host:port) was already in use; another port in use (a connector's) is not retried."""
     if not isinstance(error, WorkerStartupError):
         return False
     text = str(error)
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
+    port = init_method.rsplit(":", 1)[-1]
+    return ("EADDRINUSE" in text or "address already in use" in text.lower()) and f"port: {port}" in text
 
 
 class MultiprocExecutor(Executor):
@@ -357,7 +359,8 @@ class MultiprocExecutor(Executor):
             except BaseException as e:
                 state.shutdown(graceful=False)
                 atexit.unregister(state.shutdown)
-                if given or attempt == RENDEZVOUS_PORT_TRIES or not rendezvous_port_taken(e):
+                taken = rendezvous_port_taken(e, self.distributed_init_method)
+                if given or attempt == RENDEZVOUS_PORT_TRIES or not taken:
                     raise
                 log.warning("the rendezvous port of %s was taken before rank 0 could listen on it; "
                             "starting the workers again on another (try %d of %d)",
