@@ -40,6 +40,7 @@ ratios (same minutes) before the absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -48,6 +49,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pdserve.bench.loadgen import LoadConfig, run_load_sync
 from pdserve.bench.pairing import comparison_family, interleaved, precision_groups
@@ -170,19 +172,16 @@ def summarize(one: list[dict], many: list[dict]) -> dict:
 
 
 def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds used so far by `pid` and its children's processes (Linux /proc), None elsewhere."""
+    """CPU seconds used so far by `pid` and every process below it; None once it is gone."""
     try:
+        root = psutil.Process(pid)
         total = 0.0
-        pids, tick = [pid], os.sysconf("SC_CLK_TCK")
-        while pids:
-            p = pids.pop()
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-            children = Path(f"/proc/{p}/task/{p}/children")
-            if children.exists():
-                pids += [int(c) for c in children.read_text().split()]
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = p.cpu_times()
+                total += times.user + times.system
         return total
-    except (OSError, ValueError, IndexError):
+    except psutil.Error:
         return None
 
 
