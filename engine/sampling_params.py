@@ -8,6 +8,7 @@ engine.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -15,6 +16,7 @@ import msgspec
 from pdserve.engine.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -68,10 +70,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, dict=True
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "greater than 0")
-        if not self.temperature >= 0.0:
-            raise bad("temperature", "non-negative")
+        # Finite as well: an infinite temperature or penalty turns the -inf of a masked token (a
+        # grammar's, a stop's) into NaN (-inf / inf), and sampling from NaN picks token 0 whatever
+        # the mask says. JSON's 1e999 reaches here as inf.
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "greater than 0 and finite")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "non-negative and finite")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -90,8 +95,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, dict=True
             raise bad("prompt_logprobs", "non-negative")
         if self.stop_token_ids is not None and any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer")
+        # What torch's generators take and what crosses to the engine (msgpack's int64 or uint64);
+        # a bigger one failed to encode after the request was accepted (a 500).
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}]")
 
     @property
     def greedy(self) -> bool:

@@ -178,3 +178,27 @@ def test_greedy_argmax_is_torchs_first_maximum_with_nan_above_all(dtype):
     for x in cases:
         assert torch.equal(greedy_argmax(x), x.float().argmax(dim=-1)), x.shape
         assert greedy_argmax(x).dtype == torch.int64
+
+
+def test_every_64_bit_seed_is_taken_and_repeats_and_a_bigger_one_is_refused(llm):
+    """Seeds cross to the engine as msgpack int64/uint64: both ends of that range sample repeatably, and
+    one past it is a ValueError naming the field (the server's 400), not a failure to encode later."""
+    for seed in (-(1 << 63), (1 << 64) - 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        first, again = (ids(llm.generate(prompts(1, seed=3), params))[0] for _ in range(2))
+        assert first == again and len(first) == 8
+    for seed in (-(1 << 63) - 1, 1 << 64):
+        with pytest.raises(ValueError, match="seed must be"):
+            SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_an_infinite_temperature_or_penalty_is_refused_also_from_the_wire(field):
+    """inf / inf and -inf / inf are NaN: a grammar's masked logits became NaN and the sampler picked
+    token 0 against the mask. Refused where the params are built and where the engine decodes them."""
+    import msgspec
+
+    with pytest.raises(ValueError, match=f"{field} must be .*finite"):
+        SamplingParams(**{field: math.inf})
+    with pytest.raises(msgspec.ValidationError, match="finite"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({field: math.inf}), type=SamplingParams)

@@ -38,6 +38,16 @@ CASES = [
     ("max_tokens 0", "/completions", dict(GOOD, max_tokens=0), 400, "max_tokens", "max_tokens"),
     ("n 0", "/completions", dict(GOOD, n=0), 400, "n must be", "n"),
     ("negative temperature", "/completions", dict(GOOD, temperature=-1), 400, "temperature", "temperature"),
+    # JSON's 1e999 decodes to inf: with it, a grammar's -inf mask became NaN and token 0 was sampled.
+    ("infinite temperature", "/completions", b'{"model": "tiny", "prompt": "Hello", "temperature": 1e999}', 400,
+     "finite", "temperature"),
+    ("infinite temperature with a choice", "/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 1e999,'
+     b' "structured_outputs": {"choice": ["yes", "no"]}}', 400, "finite", "temperature"),
+    ("infinite repetition_penalty", "/completions",
+     b'{"model": "tiny", "prompt": "Hello", "repetition_penalty": 1e999}', 400, "finite", "repetition_penalty"),
+    # Past 64 bits a seed cannot cross to the engine: it was a 500 after the request was accepted.
+    ("seed over 64 bits", "/completions", dict(GOOD, seed=1 << 80), 400, "seed must be", "seed"),
     ("top_p above 1", "/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                             "top_p": 1.5}, 400, "top_p", "top_p"),
     ("empty prompt", "/completions", dict(GOOD, prompt=""), 400, "empty", "prompt"),
