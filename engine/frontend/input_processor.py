@@ -12,6 +12,7 @@ from pdserve.engine.protocol import EngineCoreRequest
 from pdserve.engine.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
@@ -64,6 +65,10 @@ class InputProcessor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *, arrival_time: float | None = None,
                 priority: int = 0, kv_transfer_params: dict[str, Any] | None = None,
                 cache_salt: str | None = None) -> tuple[str | None, EngineCoreRequest]:
+        # It crosses to the engine as msgpack's int64: a bigger one failed to encode after the
+        # request was accepted (a 500).
+        if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         if self.extra_stop_ids and not params.ignore_eos:

@@ -73,10 +73,25 @@ class LimitsAndAuth:
                     raise _BodyTooLarge(received)
             return message
 
+        answered = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal answered
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, tracked_send)
         except _BodyTooLarge as exc:
             await self._too_large(scope, receive, send, exc.size)
+        except Exception:
+            # Starlette raises an unhandled error on after the app's handler has logged it and sent the
+            # 500; uvicorn then closed the connection, and a client's next request on it (a pooled
+            # keep-alive one) was reset. Once the answer is whole the connection can serve the next;
+            # an answer cut short (a stream) must still end the connection.
+            if not answered:
+                raise
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         # Constant time: how much of a guess matches must not show in how long the answer takes.
@@ -124,6 +139,8 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         raise APIError(400, f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
     except RecursionError:
         raise APIError(400, "The request body is nested too deeply.") from None
+    except ValueError:  # past JSONDecodeError: an integer of more digits than Python converts (4300)
+        raise APIError(400, "The request body holds a number too long to read.") from None
     if _SURROGATE_ESCAPE.search(raw):
         try:  # a lone surrogate decodes, then breaks the tokenizer: refuse it here
             json.dumps(data, ensure_ascii=False).encode("utf-8")

@@ -48,6 +48,10 @@ CASES = [
      b'{"model": "tiny", "prompt": "Hello", "repetition_penalty": 1e999}', 400, "finite", "repetition_penalty"),
     # Past 64 bits a seed cannot cross to the engine: it was a 500 after the request was accepted.
     ("seed over 64 bits", "/completions", dict(GOOD, seed=1 << 80), 400, "seed must be", "seed"),
+    ("priority over 64 bits", "/completions", dict(GOOD, priority=10**30), 400, "priority must be", None),
+    # Python reads at most 4300 digits of an integer: past that json.loads raised a plain ValueError.
+    ("an integer of 5000 digits", "/completions", b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}",
+     400, "number too long", None),
     ("top_p above 1", "/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                                             "top_p": 1.5}, 400, "top_p", "top_p"),
     ("empty prompt", "/completions", dict(GOOD, prompt=""), 400, "empty", "prompt"),
