@@ -17,10 +17,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
-from pdserve.engine.server.errors import APIError, error_response, new_error_id
+from pdserve.engine.server.errors import APIError, error_response, http_error, model_card, new_error_id, unknown_model
 from pdserve.engine.server import tools as chat_tools
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.server.tool_parsers import DEFAULT_PARSER, get_parser
@@ -155,7 +156,7 @@ class Router:
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise unknown_model(model)
 
     def forwarded_headers(self, request: Request, prefix: str) -> dict[str, str]:
         # Built from scratch, never copied: a client's own X-PDServe-Internal-Key never reaches an engine.
@@ -327,6 +328,8 @@ def build_app(router: Router) -> Any:
             router.metrics.errors.labels("bad_request" if exc.status != 404 else "model_not_found").inc()
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
+    app.add_exception_handler(HTTPException, http_error)
+
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         # Exception text can carry addresses and internals: it goes to the log, the client gets an id.
@@ -347,8 +350,13 @@ def build_app(router: Router) -> Any:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": started,
-                                            "owned_by": "pdserve"}]}
+        return {"object": "list", "data": [model_card(settings.model, started)]}
+
+    @app.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve; a model name may hold slashes
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != settings.model:
+            raise unknown_model(model_id)
+        return model_card(settings.model, started)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -10,13 +10,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
 from pdserve.engine.core.liveness import pod_unresponsive_reason
 from pdserve.engine.frontend.async_llm import AsyncLLM
 from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.server.dp_rank import requested_dp_rank
-from pdserve.engine.server.errors import APIError, error_body, error_response, new_error_id
+from pdserve.engine.server.errors import (APIError, error_body, error_response, http_error, model_card,
+                                          new_error_id, unknown_model)
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
 from pdserve.engine.server.kv_params import validate_kv_release, validate_kv_transfer_params
@@ -59,6 +61,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    app.add_exception_handler(HTTPException, http_error)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -166,11 +170,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
             raise APIError(503, "The engine core did not answer the release in time.", code="engine_busy") from None
         return {"released": released}
 
+    def card() -> dict[str, Any]:
+        mc = engine.config.model
+        return model_card(engine.model_name, started, root=mc.path, max_model_len=mc.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        mc = engine.config.model
-        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": started,
-                                            "owned_by": "pdserve", "root": mc.path, "max_model_len": mc.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # the SDK's models.retrieve; a model name may hold slashes
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != engine.model_name:
+            raise unknown_model(model_id)
+        return card()
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import uuid
 from http import HTTPStatus
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -39,3 +42,26 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 def new_error_id() -> str:
     """The id a client quotes for a 500; the details stay in the server's log."""
     return uuid.uuid4().hex[:12]
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (no such route, a method the route lacks) in the OpenAI format, as every
+    other error of the servers is, instead of FastAPI's {"detail": ...}."""
+    if exc.status_code == 404:
+        message = f"No route {request.url.path}."
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}."
+    else:
+        message = str(exc.detail)
+    response = error_response(exc.status_code, message)
+    for name, value in (exc.headers or {}).items():  # 405's Allow
+        response.headers[name] = value
+    return response
+
+
+def model_card(model_id: str, created: int, **extra: object) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "pdserve", **extra}
+
+
+def unknown_model(model_id: str) -> APIError:
+    return APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")

@@ -18,7 +18,7 @@ from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.server.completion_logprobs import EchoedPrompt, legacy_logprobs, prompt_only, vllm_prompt_logprobs
-from pdserve.engine.server.errors import APIError, new_error_id
+from pdserve.engine.server.errors import APIError, new_error_id, unknown_model
 from pdserve.engine.server.kv_params import check_blocks_fit_prompt
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from pdserve.engine.server import tools
@@ -90,7 +90,7 @@ class Serving:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise unknown_model(model)
 
     def check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
         if prompt_len >= self.max_model_len or (max_tokens is not None and prompt_len + max_tokens > self.max_model_len):

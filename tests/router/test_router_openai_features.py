@@ -339,3 +339,24 @@ async def test_tools_and_tool_calls_count_toward_the_prompt_length_that_decides_
             QUESTION[0], {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
         assert s.decisions("disaggregated") == 2 and len(s.prefill[0].requests) == 2
+
+
+# --- the model card and unknown routes -------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_the_router_retrieves_its_model_and_answers_unknown_routes_in_the_openai_format():
+    """The official client's models.retrieve through the router; an unknown model there and an unknown
+    route get OpenAI-format 404s, not FastAPI's {"detail": ...}."""
+    import openai
+
+    async with stack(0, [Engine("decode")]) as (st, _):
+        client = openai.AsyncOpenAI(base_url=f"{st.url}/v1", api_key="unused", max_retries=0)
+        card = await client.models.retrieve(MODEL)
+        assert card.id == MODEL and card.owned_by == "pdserve"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("gpt-9")
+        assert missing.value.body["code"] == "model_not_found"
+        async with httpx.AsyncClient(base_url=st.url) as raw:
+            answer = await raw.get("/v1/no-such-route")
+        assert answer.status_code == 404 and set(answer.json()["error"]) == {"message", "type", "param", "code"}
+        await client.close()

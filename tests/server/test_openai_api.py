@@ -136,6 +136,23 @@ def test_models_health_and_metrics(server, client):
     assert server.metric("vllm:generation_tokens_total") > 0
 
 
+def test_a_model_is_retrieved_by_name_and_unknown_routes_get_openai_errors(server, client):
+    """The SDK's models.retrieve (GET /v1/models/{id}); an unknown model there, an unknown route and a
+    method a route lacks all answer in the OpenAI error format, not FastAPI's {"detail": ...}."""
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.owned_by == "pdserve"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.body["code"] == "model_not_found"
+    for method, path, status in [("GET", "/v1/no-such-route", 404), ("DELETE", "/v1/models", 405)]:
+        resp = httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {client.api_key}"})
+        assert resp.status_code == status, resp.text
+        error = resp.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+    assert httpx.delete(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {client.api_key}"}
+                        ).headers["allow"] == "GET"
+
+
 def test_an_idle_server_maps_its_kv_cache_ahead_and_answers_the_same(server, client):
     """Left idle, the engine maps its KV cache's pages before their first write (on Linux 5.14+; the
     gauge is 1 at once where it cannot); mapped is not used, and answers do not change."""
