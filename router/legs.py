@@ -32,6 +32,14 @@ class LegCut(LegFailed):
     """A leg's endpoint was ejected while the leg waited on it."""
 
 
+class LegOverloaded(LegFailed):
+    """The engine answered 503 with a Retry-After: it is up and full (its waiting queue at its limit)."""
+
+    def __init__(self, message: str, retry_after: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Leg:
     """One request on one endpoint: its in-flight count, gauge, connection slot and leg time."""
 

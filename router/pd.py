@@ -38,12 +38,12 @@ import anyio
 import httpx
 from fastapi.responses import Response
 
-from pdserve.engine.server.errors import APIError
+from pdserve.engine.server.errors import APIError, error_response
 from pdserve.router import metrics as m
 from pdserve.router.balancer import Candidate
 from pdserve.router.endpoints import Endpoint, Health, Pool, Pools, error_text
 from pdserve.router.feed import FeedState
-from pdserve.router.legs import LegFailed, Legs
+from pdserve.router.legs import LegFailed, LegOverloaded, Legs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import StreamState, single_choice_stream
 from pdserve.router.picking import FeedPicker
@@ -261,6 +261,7 @@ class PDFlow:
         tried: list[str] = []
         failure = "no healthy engine in the decode pool"
         taken = False  # the decode leg took the prefill hold over (pulled it, or owns its release)
+        overloaded: list[LegOverloaded] = []
         try:
             for attempt in range(2):
                 endpoint = first if not attempt and first is not None else \
@@ -274,6 +275,8 @@ class PDFlow:
                     opened = await self.open_decode(endpoint, request.path, payload, headers, request.stream)
                 except LegFailed as exc:
                     failure = str(exc)
+                    if isinstance(exc, LegOverloaded):
+                        overloaded.append(exc)
                     log.warning("decode leg failed before its first byte%s: %s",
                                 "" if attempt else ", retrying on another engine", exc)
                     continue
@@ -285,6 +288,14 @@ class PDFlow:
                 return RelayResponse(stream.events(), release=stream.close,
                                      media_type=opened.response.headers.get("content-type", "text/event-stream"),
                                      headers=STREAM_HEADERS)
+            if tried and len(overloaded) == len(tried):
+                # Every engine tried is up and full: the client should come back later (503 and the
+                # engines' Retry-After, as from one engine), not take it for a failure (502).
+                self.metrics.errors.labels("overloaded").inc()
+                response = error_response(503, f"Every decode engine tried is at its limit of waiting requests; "
+                                               f"retry later. Last: {failure}.", code="engine_overloaded")
+                response.headers["Retry-After"] = max((o.retry_after for o in overloaded), key=_seconds)
+                return response
             self.metrics.errors.labels("no_engine" if not tried else "decode_failed").inc()
             status = 503 if not tried else 502
             raise APIError(status, f"No decode engine could serve the request: {failure}.",
@@ -312,7 +323,11 @@ class PDFlow:
             opened.append(response)
             if response.status_code >= 500:
                 text = (await response.aread())[:200].decode(errors="replace")
-                raise LegFailed(f"{endpoint.url} answered {response.status_code}: {text}")
+                failed = f"{endpoint.url} answered {response.status_code}: {text}"
+                retry_after = response.headers.get("retry-after")
+                if response.status_code == 503 and retry_after is not None:
+                    raise LegOverloaded(failed, retry_after)
+                raise LegFailed(failed)
             if response.status_code != 200 or not stream:
                 return passthrough(response.status_code, await response.aread(), response.headers)
             # Wait for the first chunk before answering: until then a failure can still be retried.
@@ -336,6 +351,13 @@ class PDFlow:
             if not kept:
                 with anyio.CancelScope(shield=True):
                     await close_leg(opened[0] if opened else None, leg)
+
+
+def _seconds(retry_after: str) -> float:
+    try:
+        return float(retry_after)
+    except ValueError:  # an HTTP date: as good as any
+        return 0.0
 
 
 def passthrough(status: int, content: bytes, headers: httpx.Headers) -> Response:

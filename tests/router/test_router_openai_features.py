@@ -360,3 +360,45 @@ async def test_the_router_retrieves_its_model_and_answers_unknown_routes_in_the_
             answer = await raw.get("/v1/no-such-route")
         assert answer.status_code == 404 and set(answer.json()["error"]) == {"message", "type", "param", "code"}
         await client.close()
+
+
+# --- engines at their limit ---------------------------------------------------------------------------------
+
+@dataclass
+class FullEngine(Engine):
+    """An engine at its limit of waiting requests: 503 with a Retry-After (what AsyncLLM's limit answers),
+    or a plain 500 for a broken one."""
+    status: int = 503
+    retry_after: str = "2"
+
+    async def generate(self, request: Request) -> Response:
+        self.requests.append(await request.json())
+        headers = {"Retry-After": self.retry_after} if self.status == 503 else {}
+        return JSONResponse({"error": {"message": "The engine has 4 requests waiting (the limit is 4)",
+                                       "type": "ServiceUnavailableError", "param": None, "code": "engine_overloaded"}},
+                            status_code=self.status, headers=headers)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_decode_engine_full_is_a_503_with_retry_after_not_a_502(stream):
+    full = [FullEngine("decode", retry_after="1"), FullEngine("decode", retry_after="3")]
+    async with stack(0, full) as (st, client):
+        answer = await client.post("/completions", json={"model": MODEL, "prompt": "a b c", "stream": stream})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_overloaded"
+    assert answer.headers["retry-after"] == "3"  # the longer of the engines' waits
+    assert all(len(e.requests) == 1 for e in full)  # both were tried
+    assert st.router.metrics.registry.get_sample_value("pdserve_router_errors_total", {"kind": "overloaded"}) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_full_engine_and_a_broken_one_are_a_502_and_a_full_one_beside_a_free_one_is_served():
+    async with stack(0, [FullEngine("decode"), FullEngine("decode", status=500)]) as (_, client):
+        answer = await client.post("/completions", json={"model": MODEL, "prompt": "a b c"})
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_failed"
+    free = Engine("decode")
+    async with stack(0, [FullEngine("decode"), free]) as (_, client):
+        for _ in range(4):  # whichever the balancer picks first, the free one serves it
+            answer = await client.post("/completions", json={"model": MODEL, "prompt": "a b c"})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " t100"
