@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
@@ -41,6 +42,13 @@ PoolTask = Callable[[Pools], Awaitable[None]]
 # How long a request waits for its local token ids: past this (every tokenizer thread busy with
 # huge prompts) it is routed on a character estimate, without the prefix hint.
 TOKENIZE_WAIT_S = 1.0
+
+
+class _NamesAModel(BaseModel):
+    """What the router reads of a body it passes on whole: the model it names."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
 
 
 @dataclass
@@ -248,6 +256,31 @@ class Router:
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("tokenizing through %s failed: %s", engine.url, error_text(exc))
 
+    async def to_an_engine(self, request: Request, path: str) -> Response:
+        """/tokenize and /detokenize, which need no generation: answered by the first healthy engine that
+        answers (decode pool first; every engine holds the model's tokenizer), the body passed on as sent."""
+        self.check_model((await parse_body(request, _NamesAModel)).model)
+        engines = self.pools.decode.healthy() or self.pools.prefill.healthy()
+        if not engines or self.client is None:
+            raise APIError(503, "No healthy engine to answer.", code="no_engines")
+        start = next(self._tokenize_turn)
+        failure = ""
+        for i in range(len(engines)):
+            engine = engines[(start + i) % len(engines)]
+            try:
+                response = await self.client.post(f"{engine.url}{path}", content=await request.body(),
+                                                  headers=dict(self.forwarded_headers(request, "tok"),
+                                                               **{"content-type": "application/json"}),
+                                                  timeout=httpx.Timeout(30.0, connect=self.settings.flow.connect_timeout))
+            except httpx.HTTPError as exc:
+                failure = f"{engine.url}: {error_text(exc)}"
+                continue
+            if response.status_code < 500:
+                return Response(response.content, status_code=response.status_code,
+                                media_type=response.headers.get("content-type", "application/json"))
+            failure = f"{engine.url} answered {response.status_code}"
+        raise APIError(502, f"No engine could answer: {failure}.", code="upstream_failed")
+
     async def serve(self, request: Request, routed: RoutedRequest) -> Response:
         """Run the flow, cancelling both legs if the client goes away before the answer starts."""
         assert self.flow is not None
@@ -347,6 +380,14 @@ def build_app(router: Router) -> Any:
     async def chat(request: Request) -> Response:
         router.metrics.requests.labels("chat").inc()
         return await router.serve(request, await router.chat_request(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.to_an_engine(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.to_an_engine(request, "/detokenize")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

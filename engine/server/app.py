@@ -44,6 +44,11 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class DetokenizeRequest(BaseModel):
+    model: str
+    tokens: list[int]
+
+
 def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
               tool_call_parser: str = DEFAULT_PARSER, rank_ports: RankPorts | None = None) -> FastAPI:
     """The app behind every port of the server; with `rank_ports`, a request that arrives on a
@@ -153,6 +158,21 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"cannot tokenize: {exc}") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.config.model.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """Token ids back to text, as vLLM's server does (/tokenize's inverse)."""
+        check_alive()
+        body = await parse_body(request, DetokenizeRequest)
+        serving.check_model(body.model)
+        vocab = engine.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be integers in [0, {vocab})", param="tokens")
+        try:
+            text = await serving.off_loop(engine.tokenizer.decode, body.tokens)
+        except (ValueError, TypeError, OverflowError) as exc:  # an id the model has but its tokenizer lacks
+            raise APIError(400, f"cannot detokenize: {exc}", param="tokens") from None
+        return {"prompt": text}
 
     @app.post("/v1/kv/release")
     async def release_kv(request: Request) -> dict[str, bool]:

@@ -402,3 +402,47 @@ async def test_a_full_engine_and_a_broken_one_are_a_502_and_a_full_one_beside_a_
         for _ in range(4):  # whichever the balancer picks first, the free one serves it
             answer = await client.post("/completions", json={"model": MODEL, "prompt": "a b c"})
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == " t100"
+
+
+@dataclass
+class TokenizingEngine(Engine):
+    """Answers /tokenize and /detokenize as a real engine would for a word-per-token model."""
+
+    def app(self) -> Starlette:
+        app = super().app()
+        app.router.routes.append(Route("/tokenize", self.tokenize, methods=["POST"]))
+        app.router.routes.append(Route("/detokenize", self.detokenize, methods=["POST"]))
+        return app
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(dict(body, headers=dict(request.headers)))
+        ids = [len(w) for w in body["prompt"].split()]
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": 256})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        if any(t < 0 for t in body["tokens"]):
+            return JSONResponse({"error": {"message": "token ids must be integers in [0, 256)", "type": "BadRequestError",
+                                           "param": "tokens", "code": 400}}, status_code=400)
+        return JSONResponse({"prompt": " ".join("x" * t for t in body["tokens"])})
+
+
+@pytest.mark.asyncio
+async def test_tokenize_and_detokenize_are_answered_by_an_engine_through_the_router():
+    """vLLM's /tokenize and /detokenize on the router: passed on to a healthy engine with the router's
+    own key (never a client's), its 4xx passed back; an unknown model never reaches an engine."""
+    engine = TokenizingEngine("decode")
+    async with stack(0, [engine]) as (st, _), httpx.AsyncClient(base_url=st.url, timeout=30) as client:
+        answer = await client.post("/tokenize", json={"model": MODEL, "prompt": "aa bbb c"},
+                                   headers={"X-PDServe-Internal-Key": "forged"})
+        assert answer.status_code == 200 and answer.json()["tokens"] == [2, 3, 1]
+        assert engine.requests[-1]["headers"]["x-pdserve-internal-key"] == internal_key()
+        back = await client.post("/detokenize", json={"model": MODEL, "tokens": [2, 3, 1]})
+        assert back.status_code == 200 and back.json() == {"prompt": "xx xxx x"}
+        refused = await client.post("/detokenize", json={"model": MODEL, "tokens": [-1]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+        seen = len(engine.requests)
+        unknown = await client.post("/tokenize", json={"model": "gpt-9", "prompt": "a"})
+        assert unknown.status_code == 404 and len(engine.requests) == seen

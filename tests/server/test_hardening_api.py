@@ -233,3 +233,19 @@ async def test_the_same_x_request_id_twice_at_once_both_succeed_and_are_echoed(s
     chunk = json.loads(next(line for line in stream.text.splitlines() if line.startswith("data: {"))[6:])
     assert chunk["id"] != "client-43"
     assert unauthorized.status_code == 401 and unauthorized.headers["x-request-id"] == "client-44"
+
+
+def test_detokenize_turns_tokenize_back_and_refuses_ids_outside_the_vocabulary(server):
+    """vLLM's /detokenize: the ids /tokenize gives come back as the text; an id past the vocabulary (or
+    negative) is a 400 naming `tokens`, and the route is behind the API key like /tokenize."""
+    text = "Hello world, again"
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": text}, headers=AUTH,
+                     timeout=60).json()["tokens"]
+    back = httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": ids}, headers=AUTH, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    for bad in ([10 ** 9], [-1]):
+        resp = httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": bad}, headers=AUTH, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens", resp.text
+    assert httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": ids}, timeout=60).status_code == 401
+    unknown = httpx.post(f"{server.url}/detokenize", json={"model": "gpt-9", "tokens": ids}, headers=AUTH, timeout=60)
+    assert unknown.status_code == 404

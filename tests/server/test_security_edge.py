@@ -154,7 +154,9 @@ async def test_the_api_key_covers_every_route_but_health(engine, metrics_require
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == (401 if metrics_require_key else 200)
         for method, path, body in (("POST", "/tokenize", tokenize), ("GET", "/version", None),
-                                   ("GET", "/v1/models", None), ("POST", "/v1/completions", completion())):
+                                   ("POST", "/detokenize", {"model": "tiny", "tokens": [5, 6]}),
+                                   ("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None),
+                                   ("POST", "/v1/completions", completion())):
             assert (await client.request(method, path, json=body)).status_code == 401, path
             ok = await client.request(method, path, json=body, headers={"Authorization": "Bearer sekret"})
             assert ok.status_code == 200, path
