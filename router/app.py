@@ -270,7 +270,8 @@ class Router:
             try:
                 response = await self.client.post(f"{engine.url}{path}", content=await request.body(),
                                                   headers=dict(self.forwarded_headers(request, "tok"),
-                                                               **{"content-type": "application/json"}),
+                                                               **{"content-type": "application/json"},
+                                                               **engine.extra_headers),
                                                   timeout=httpx.Timeout(30.0, connect=self.settings.flow.connect_timeout))
             except httpx.HTTPError as exc:
                 failure = f"{engine.url}: {error_text(exc)}"
