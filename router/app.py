@@ -19,10 +19,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
-from pdserve.engine.server.errors import APIError, error_response, http_error, model_card, new_error_id, unknown_model
+from pdserve.engine.server.errors import (APIError, client_gone, error_response, http_error, model_card, new_error_id,
+                                          unknown_model)
 from pdserve.engine.server import tools as chat_tools
 from pdserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.server.tool_parsers import DEFAULT_PARSER, get_parser
@@ -272,7 +274,8 @@ class Router:
                                                   headers=dict(self.forwarded_headers(request, "tok"),
                                                                **{"content-type": "application/json"},
                                                                **engine.extra_headers),
-                                                  timeout=httpx.Timeout(30.0, connect=self.settings.flow.connect_timeout))
+                                                  timeout=httpx.Timeout(30.0,
+                                                                        connect=self.settings.flow.connect_timeout))
             except httpx.HTTPError as exc:
                 failure = f"{engine.url}: {error_text(exc)}"
                 continue
@@ -363,6 +366,7 @@ def build_app(router: Router) -> Any:
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

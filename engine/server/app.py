@@ -11,13 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from pdserve.engine.core.liveness import pod_unresponsive_reason
 from pdserve.engine.frontend.async_llm import AsyncLLM
 from pdserve.engine.frontend.limits import EngineOverloadedError
 from pdserve.engine.frontend.mp_client import EngineDeadError
 from pdserve.engine.server.dp_rank import requested_dp_rank
-from pdserve.engine.server.errors import (APIError, error_body, error_response, http_error, model_card,
+from pdserve.engine.server.errors import (APIError, client_gone, error_body, error_response, http_error, model_card,
                                           new_error_id, unknown_model)
 from pdserve.engine.internal_auth import HEADER as INTERNAL_HEADER, header_matches
 from pdserve.engine.server.http import LimitsAndAuth, ServerSettings, disconnect_watcher, parse_body
@@ -68,6 +69,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings | None = None, *,
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -6,7 +6,7 @@ import uuid
 from http import HTTPStatus
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 _TYPES = {
@@ -65,3 +65,10 @@ def model_card(model_id: str, created: int, **extra: object) -> dict:
 
 def unknown_model(model_id: str) -> APIError:
     return APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+
+
+async def client_gone(_: Request, exc: Exception) -> Response:
+    """A client that left while its body was read (starlette's ClientDisconnect): nobody is listening
+    and nothing failed here, so no answer and no error in the log (it was an "unhandled error" with a
+    traceback). 499 is nginx's "client closed request", for the access log."""
+    return Response(status_code=499)

@@ -446,3 +446,26 @@ async def test_tokenize_and_detokenize_are_answered_by_an_engine_through_the_rou
         seen = len(engine.requests)
         unknown = await client.post("/tokenize", json={"model": "gpt-9", "prompt": "a"})
         assert unknown.status_code == 404 and len(engine.requests) == seen
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_mid_body_is_no_error_and_the_router_keeps_serving(caplog):
+    """A body cut off by the client (starlette's ClientDisconnect while the route reads it) was logged
+    as an unhandled error with a traceback; nothing failed on this side."""
+    from urllib.parse import urlsplit
+
+    async with stack(0, [Engine("decode")]) as (st, client):
+        where = urlsplit(st.url)
+        reader, writer = await asyncio.open_connection(where.hostname, where.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"" + MODEL.encode())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the route is reading the body
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.3)
+        answer = await client.post("/completions", json={"model": MODEL, "prompt": "a b c"})
+        assert answer.status_code == 200
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, [r.getMessage() for r in errors]
+    assert st.router.metrics.registry.get_sample_value("pdserve_router_errors_total", {"kind": "internal"}) is None
