@@ -236,15 +236,24 @@ class Router:
         assert self.tokenizer is not None
         return await tokenize_within(self.tokenizer, compute, *args)
 
+    def _engines_in_turn(self) -> list[Endpoint]:
+        """The healthy engines (the decode pool, else the prefill pool) to ask for tokenizer work,
+        starting one further on at each call so that such calls spread over them."""
+        engines = self.pools.decode.healthy() or self.pools.prefill.healthy()
+        if not engines:
+            return []
+        start = next(self._tokenize_turn) % len(engines)
+        return engines[start:] + engines[:start]
+
     async def _remote_tokens(self, routed: RoutedRequest, prompt: dict[str, Any] | None) -> None:
         """Prefix-aware without a local tokenizer: ask an engine for the prompt's token ids."""
         if (prompt is None or routed.token_ids is not None or self.settings.policy is not Policy.PREFIX_AWARE
                 or self.feed is None or not self.feed.alive() or self.client is None):
             return
-        engines = self.pools.decode.healthy() or self.pools.prefill.healthy()
+        engines = self._engines_in_turn()
         if not engines:
             return
-        engine = engines[next(self._tokenize_turn) % len(engines)]
+        engine = engines[0]
         try:
             response = await self.client.post(f"{engine.url}/tokenize", json={"model": self.settings.model, **prompt},
                                               headers={k: v for k, v in routed.headers.items()
@@ -262,13 +271,11 @@ class Router:
         """/tokenize and /detokenize, which need no generation: answered by the first healthy engine that
         answers (decode pool first; every engine holds the model's tokenizer), the body passed on as sent."""
         self.check_model((await parse_body(request, _NamesAModel)).model)
-        engines = self.pools.decode.healthy() or self.pools.prefill.healthy()
+        engines = self._engines_in_turn()
         if not engines or self.client is None:
             raise APIError(503, "No healthy engine to answer.", code="no_engines")
-        start = next(self._tokenize_turn)
         failure = ""
-        for i in range(len(engines)):
-            engine = engines[(start + i) % len(engines)]
+        for engine in engines:
             try:
                 response = await self.client.post(f"{engine.url}{path}", content=await request.body(),
                                                   headers=dict(self.forwarded_headers(request, "tok"),
